@@ -1,0 +1,66 @@
+"""Type stub of the Rust extension ``offload_adam._native`` (checked by ``mypy.stubtest``)."""
+
+from collections.abc import Iterable, Sequence
+from typing import Any, final
+
+from torch import Tensor
+
+CHUNK: int
+LANES: int
+
+@final
+class ParamSet:
+    """The parameters of one param group with their flat host state buffers, imported via DLPack."""
+
+    def __new__(
+        cls,
+        params: Sequence[Tensor],
+        exports: Sequence[Tensor],
+        offsets: Sequence[int],
+        names: Sequence[str],
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        steps: Tensor,
+        master: Tensor | None = None,
+        max_exp_avg_sq: Tensor | None = None,
+    ) -> ParamSet: ...
+    def set_max_exp_avg_sq(self, buf: Tensor) -> None: ...
+    @property
+    def has_max_exp_avg_sq(self) -> bool: ...
+    def __len__(self) -> int: ...
+    def check_disjoint(self, others: Sequence[ParamSet]) -> None: ...
+
+def adam_step(
+    sets: Sequence[ParamSet],
+    groups: Sequence[dict[str, Any]],
+    *,
+    num_threads: int,
+    grad_scale: float = 1.0,
+    bias_correction: bool = True,
+    simd: str | None = None,
+) -> list[list[int]]: ...
+def adam_update(
+    param: Any,
+    grad: Any,
+    exp_avg: Any,
+    exp_avg_sq: Any,
+    max_exp_avg_sq: Any | None = None,
+    out: Any | None = None,
+    *,
+    step: int,
+    lr: float = 1e-3,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    decoupled: bool = True,
+    amsgrad: bool = False,
+    maximize: bool = False,
+    bias_correction: bool = True,
+    grad_scale: float = 1.0,
+    num_threads: int = 1,
+    simd: str | None = None,
+) -> None: ...
+def grad_sq_norm(tensors: Iterable[Any], *, num_threads: int = 1, simd: str | None = None) -> float: ...
+def grads_nonfinite(tensors: Iterable[Any], *, num_threads: int = 1, simd: str | None = None) -> bool: ...
+def simd_path() -> str: ...
+def simd_paths() -> list[str]: ...

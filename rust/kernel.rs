@@ -1,0 +1,1178 @@
+//! The fused Adam/AdamW update over flat slices, and the read-only gradient passes.
+//!
+//! [`reference`] is the specification: one element at a time, torch's order of operations
+//! (`torch.optim.adam._single_tensor_adam`). The fast paths process blocks of [`LANES`] lanes with
+//! FMA and multiply by `1/sqrt(bc2)` instead of dividing; the tests bound their distance to the
+//! reference. A partial block at the end of a slice is copied into a padded block and goes through
+//! the very same code, so every element's result depends only on its own inputs: results are
+//! bitwise identical however the work is split between threads.
+
+use rayon::prelude::*;
+
+use crate::elem::{Bf16, Elem, F16};
+#[cfg(target_arch = "x86_64")]
+use crate::isa::{Avx2, Avx512, Avx512Bf16};
+use crate::isa::{Block, Generic, Isa, Simd, LANES};
+
+/// Elements per unit of parallel work: a multiple of [`LANES`], fixed, so that chunk boundaries
+/// (and the order in which reductions add partial sums) never depend on the number of threads.
+pub const CHUNK: usize = 1 << 15;
+
+/// Hyper-parameters of one update, as torch's param group holds them.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Hyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    /// AdamW (decoupled weight decay) if true, Adam with L2 penalty if false.
+    pub decoupled: bool,
+    pub amsgrad: bool,
+    pub maximize: bool,
+    pub bias_correction: bool,
+    /// Multiplies every gradient before use: AMP's 1/scale times the clipping coefficient.
+    pub grad_scale: f64,
+}
+
+impl Hyper {
+    /// Checks torch's constraints; the message names the offending hyper-parameter.
+    pub fn validate(&self) -> Result<(), String> {
+        let Hyper { lr, beta1, beta2, eps, weight_decay, grad_scale, .. } = *self;
+        if !(lr >= 0.0) || lr.is_infinite() {
+            return Err(format!("Invalid learning rate: {lr}"));
+        }
+        if !(eps >= 0.0) {
+            return Err(format!("Invalid epsilon value: {eps}"));
+        }
+        if !(0.0..1.0).contains(&beta1) {
+            return Err(format!("Invalid beta parameter at index 0: {beta1}"));
+        }
+        if !(0.0..1.0).contains(&beta2) {
+            return Err(format!("Invalid beta parameter at index 1: {beta2}"));
+        }
+        if !(weight_decay >= 0.0) {
+            return Err(format!("Invalid weight_decay value: {weight_decay}"));
+        }
+        if grad_scale.is_nan() {
+            return Err(format!("Invalid grad_scale: {grad_scale}"));
+        }
+        Ok(())
+    }
+}
+
+/// The per-update scalars, computed once in f64 (as torch computes them in Python doubles) and
+/// rounded to f32 (as torch's tensor ops round a Python scalar).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Consts {
+    pub gscale: f32,
+    pub use_l2: bool,
+    pub l2: f32,
+    pub decay: f32,
+    pub b1c: f32,
+    pub b2: f32,
+    pub b2c: f32,
+    pub eps: f32,
+    pub step_size: f32,
+    pub neg_step_size: f32,
+    pub bc2_sqrt: f32,
+    pub inv_bc2_sqrt: f32,
+}
+
+impl Consts {
+    /// Scalars for the update that makes the parameter's step count `step` (>= 1).
+    pub fn new(h: &Hyper, step: u64) -> Consts {
+        let t = step as f64;
+        let (bc1, bc2) = if h.bias_correction {
+            (1.0 - h.beta1.powf(t), 1.0 - h.beta2.powf(t))
+        } else {
+            (1.0, 1.0)
+        };
+        let step_size = h.lr / bc1;
+        let bc2_sqrt = bc2.sqrt();
+        let gscale = if h.maximize { -h.grad_scale } else { h.grad_scale };
+        let use_l2 = !h.decoupled && h.weight_decay != 0.0;
+        Consts {
+            gscale: gscale as f32,
+            use_l2,
+            l2: if use_l2 { h.weight_decay as f32 } else { 0.0 },
+            decay: if h.decoupled { (1.0 - h.lr * h.weight_decay) as f32 } else { 1.0 },
+            b1c: (1.0 - h.beta1) as f32,
+            b2: h.beta2 as f32,
+            b2c: (1.0 - h.beta2) as f32,
+            eps: h.eps as f32,
+            step_size: step_size as f32,
+            neg_step_size: (-step_size) as f32,
+            bc2_sqrt: bc2_sqrt as f32,
+            inv_bc2_sqrt: (1.0 / bc2_sqrt) as f32,
+        }
+    }
+}
+
+/// `torch.maximum`: NaN if either side is NaN.
+#[inline(always)]
+fn nan_max(a: f32, b: f32) -> f32 {
+    if a.is_nan() || a > b {
+        a
+    } else {
+        b
+    }
+}
+
+/// Gradient slice, in any of the supported dtypes.
+pub enum GradRef<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [Bf16]),
+    F16(&'a [F16]),
+}
+
+/// Moment slice (exp_avg, exp_avg_sq, max_exp_avg_sq).
+pub enum StateMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [Bf16]),
+}
+
+/// Low-precision copy of the updated weights, written in the same pass.
+pub enum OutMut<'a> {
+    None,
+    Bf16(&'a mut [Bf16]),
+    F16(&'a mut [F16]),
+}
+
+macro_rules! enum_len {
+    ($e:expr, $($v:path),*) => { match $e { $($v(s) => s.len(),)* } };
+}
+
+macro_rules! enum_split {
+    ($e:expr, $mid:expr, $ty:ident, $($v:ident),*) => {
+        match $e { $($ty::$v(s) => { let (a, b) = s.split_at_mut($mid); ($ty::$v(a), $ty::$v(b)) })* }
+    };
+}
+
+impl GradRef<'_> {
+    pub fn len(&self) -> usize {
+        enum_len!(self, GradRef::F32, GradRef::Bf16, GradRef::F16)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    pub fn dtype(&self) -> &'static str {
+        match self {
+            GradRef::F32(_) => f32::NAME,
+            GradRef::Bf16(_) => Bf16::NAME,
+            GradRef::F16(_) => F16::NAME,
+        }
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        match self {
+            GradRef::F32(s) => (GradRef::F32(&s[..mid]), GradRef::F32(&s[mid..])),
+            GradRef::Bf16(s) => (GradRef::Bf16(&s[..mid]), GradRef::Bf16(&s[mid..])),
+            GradRef::F16(s) => (GradRef::F16(&s[..mid]), GradRef::F16(&s[mid..])),
+        }
+    }
+}
+
+impl<'a> StateMut<'a> {
+    pub fn len(&self) -> usize {
+        enum_len!(self, StateMut::F32, StateMut::Bf16)
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    fn is_bf16(&self) -> bool {
+        matches!(self, StateMut::Bf16(_))
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        enum_split!(self, mid, StateMut, F32, Bf16)
+    }
+}
+
+impl OutMut<'_> {
+    pub fn len(&self) -> Option<usize> {
+        match self {
+            OutMut::None => None,
+            OutMut::Bf16(s) => Some(s.len()),
+            OutMut::F16(s) => Some(s.len()),
+        }
+    }
+    fn split_at(self, mid: usize) -> (Self, Self) {
+        match self {
+            OutMut::None => (OutMut::None, OutMut::None),
+            OutMut::Bf16(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (OutMut::Bf16(a), OutMut::Bf16(b))
+            }
+            OutMut::F16(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (OutMut::F16(a), OutMut::F16(b))
+            }
+        }
+    }
+}
+
+/// One tensor's (or one chunk of it) update: the fp32 master weights, its gradient, its moments,
+/// and where to write the low-precision copy, if any.
+///
+/// With a low-precision copy, the copy is also an input: where it no longer equals the master
+/// weight rounded to its dtype, someone wrote the model's weights (a checkpoint load, a manual
+/// edit) and the kernel takes that value as the new master before updating. On the first step
+/// this initializes the master from the model's weights.
+pub struct Segment<'a> {
+    pub consts: Consts,
+    pub amsgrad: bool,
+    pub param: &'a mut [f32],
+    pub grad: GradRef<'a>,
+    pub exp_avg: StateMut<'a>,
+    pub exp_avg_sq: StateMut<'a>,
+    pub max_exp_avg_sq: Option<StateMut<'a>>,
+    pub out: OutMut<'a>,
+}
+
+impl<'a> Segment<'a> {
+    pub fn len(&self) -> usize {
+        self.param.len()
+    }
+    pub fn is_empty(&self) -> bool {
+        self.param.is_empty()
+    }
+
+    /// Lengths agree, moments share one dtype, amsgrad has its buffer.
+    pub fn validate(&self) -> Result<(), String> {
+        let n = self.param.len();
+        let check = |what: &str, len: usize| {
+            if len != n {
+                Err(format!("{what} has {len} elements, the parameter {n}"))
+            } else {
+                Ok(())
+            }
+        };
+        check("grad", self.grad.len())?;
+        check("exp_avg", self.exp_avg.len())?;
+        check("exp_avg_sq", self.exp_avg_sq.len())?;
+        if self.exp_avg.is_bf16() != self.exp_avg_sq.is_bf16() {
+            return Err("exp_avg and exp_avg_sq must have the same dtype".into());
+        }
+        match (&self.max_exp_avg_sq, self.amsgrad) {
+            (Some(v), _) => {
+                check("max_exp_avg_sq", v.len())?;
+                if v.is_bf16() != self.exp_avg.is_bf16() {
+                    return Err("max_exp_avg_sq must have the dtype of exp_avg".into());
+                }
+            }
+            (None, true) => return Err("amsgrad needs max_exp_avg_sq".into()),
+            (None, false) => {}
+        }
+        if let Some(len) = self.out.len() {
+            check("the low-precision weight copy", len)?;
+        }
+        Ok(())
+    }
+
+    fn split_at(self, mid: usize) -> (Segment<'a>, Segment<'a>) {
+        let (p0, p1) = self.param.split_at_mut(mid);
+        let (g0, g1) = self.grad.split_at(mid);
+        let (m0, m1) = self.exp_avg.split_at(mid);
+        let (v0, v1) = self.exp_avg_sq.split_at(mid);
+        let (x0, x1) = match self.max_exp_avg_sq {
+            Some(x) => {
+                let (a, b) = x.split_at(mid);
+                (Some(a), Some(b))
+            }
+            None => (None, None),
+        };
+        let (o0, o1) = self.out.split_at(mid);
+        let mk = |param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out| Segment {
+            consts: self.consts,
+            amsgrad: self.amsgrad,
+            param,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+            out,
+        };
+        (mk(p0, g0, m0, v0, x0, o0), mk(p1, g1, m1, v1, x1, o1))
+    }
+
+    /// Cuts the segment into pieces of at most `max` elements (`max` a multiple of LANES).
+    fn chunks(self, max: usize, into: &mut Vec<Segment<'a>>) {
+        let mut rest = self;
+        while rest.len() > max {
+            let (a, b) = rest.split_at(max);
+            into.push(a);
+            rest = b;
+        }
+        if !rest.is_empty() {
+            into.push(rest);
+        }
+    }
+}
+
+/// The specification: one element at a time, in torch's order of operations, no FMA.
+pub mod reference {
+    use super::*;
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn update<G: Elem, S: Elem, O: Elem>(
+        c: &Consts,
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [S],
+        v: &mut [S],
+        mut vmax: Option<&mut [S]>,
+        mut out: Option<&mut [O]>,
+    ) {
+        for i in 0..p.len() {
+            if let Some(o) = out.as_deref() {
+                if O::from_f32(p[i]) != o[i] {
+                    p[i] = o[i].to_f32();
+                }
+            }
+            let mut grad = g[i].to_f32() * c.gscale;
+            if c.use_l2 {
+                grad = grad + c.l2 * p[i];
+            }
+            let param = p[i] * c.decay;
+            let mut ea = m[i].to_f32();
+            ea = ea + c.b1c * (grad - ea);
+            let mut eas = v[i].to_f32();
+            eas = eas * c.b2 + c.b2c * grad * grad;
+            m[i] = S::from_f32(ea);
+            v[i] = S::from_f32(eas);
+            let mut vhat = eas;
+            if let Some(vm) = vmax.as_deref_mut() {
+                vhat = nan_max(vm[i].to_f32(), eas);
+                vm[i] = S::from_f32(vhat);
+            }
+            let denom = vhat.sqrt() / c.bc2_sqrt + c.eps;
+            p[i] = param + (-c.step_size) * (ea / denom);
+            if let Some(o) = out.as_deref_mut() {
+                o[i] = O::from_f32(p[i]);
+            }
+        }
+    }
+}
+
+/// Block loads and stores through a path's conversion instructions.
+pub trait BlockIo: Elem {
+    /// # Safety
+    /// The CPU supports `I`.
+    unsafe fn load<I: Isa>(src: &[Self; LANES]) -> Block;
+    /// # Safety
+    /// The CPU supports `I`.
+    unsafe fn store<I: Isa>(x: &Block) -> [Self; LANES];
+}
+
+impl BlockIo for f32 {
+    #[inline(always)]
+    unsafe fn load<I: Isa>(src: &[f32; LANES]) -> Block {
+        *src
+    }
+    #[inline(always)]
+    unsafe fn store<I: Isa>(x: &Block) -> [f32; LANES] {
+        *x
+    }
+}
+
+impl BlockIo for Bf16 {
+    #[inline(always)]
+    unsafe fn load<I: Isa>(src: &[Bf16; LANES]) -> Block {
+        unsafe { I::bf16_load(&src.map(|b| b.0)) }
+    }
+    #[inline(always)]
+    unsafe fn store<I: Isa>(x: &Block) -> [Bf16; LANES] {
+        unsafe { I::bf16_store(x) }.map(Bf16)
+    }
+}
+
+impl BlockIo for F16 {
+    #[inline(always)]
+    unsafe fn load<I: Isa>(src: &[F16; LANES]) -> Block {
+        unsafe { I::f16_load(&src.map(|b| b.0)) }
+    }
+    #[inline(always)]
+    unsafe fn store<I: Isa>(x: &Block) -> [F16; LANES] {
+        unsafe { I::f16_store(x) }.map(F16)
+    }
+}
+
+/// Takes the model's value as master weight where the low-precision copy was written by someone
+/// else (see [`Segment`]).
+#[inline(always)]
+unsafe fn resync<I: Isa, O: BlockIo>(p: &mut Block, o: &[O; LANES]) {
+    let (rounded, old) = unsafe { (O::store::<I>(p), O::load::<I>(o)) };
+    for i in 0..LANES {
+        if rounded[i] != o[i] {
+            p[i] = old[i];
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn update_block<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
+    c: &Consts,
+    p: &mut Block,
+    g: &[G; LANES],
+    m: &mut [S; LANES],
+    v: &mut [S; LANES],
+    vmax: Option<&mut [S; LANES]>,
+) {
+    let (gr, mut ea, mut eas) = unsafe { (G::load::<I>(g), S::load::<I>(m), S::load::<I>(v)) };
+    let mut vm = [0.0f32; LANES];
+    if AMS {
+        if let Some(x) = vmax.as_deref() {
+            vm = unsafe { S::load::<I>(x) };
+        }
+    }
+    for i in 0..LANES {
+        let g0 = gr[i] * c.gscale;
+        let g_l2 = c.l2.mul_add(p[i], g0);
+        let grad = if c.use_l2 { g_l2 } else { g0 };
+        let param = p[i] * c.decay;
+        let mi = c.b1c.mul_add(grad - ea[i], ea[i]);
+        let vi = (c.b2c * grad).mul_add(grad, eas[i] * c.b2);
+        let vhat = if AMS {
+            vm[i] = nan_max(vm[i], vi);
+            vm[i]
+        } else {
+            vi
+        };
+        let denom = vhat.sqrt().mul_add(c.inv_bc2_sqrt, c.eps);
+        p[i] = c.neg_step_size.mul_add(mi / denom, param);
+        ea[i] = mi;
+        eas[i] = vi;
+    }
+    unsafe {
+        *m = S::store::<I>(&ea);
+        *v = S::store::<I>(&eas);
+        if AMS {
+            if let Some(x) = vmax {
+                *x = S::store::<I>(&vm);
+            }
+        }
+    }
+}
+
+#[inline(always)]
+unsafe fn out_block<I: Isa, const STORE: bool>(p: &mut Block, out: &mut OutMut<'_>, b: usize) {
+    // `b` indexes a full block of `out`, whose length the caller checked.
+    unsafe {
+        match out {
+            OutMut::None => {}
+            OutMut::Bf16(o) => {
+                let ob = o.as_chunks_mut::<LANES>().0.get_unchecked_mut(b);
+                if STORE { *ob = Bf16::store::<I>(p) } else { resync::<I, Bf16>(p, ob) }
+            }
+            OutMut::F16(o) => {
+                let ob = o.as_chunks_mut::<LANES>().0.get_unchecked_mut(b);
+                if STORE { *ob = F16::store::<I>(p) } else { resync::<I, F16>(p, ob) }
+            }
+        }
+    }
+}
+
+/// Copies `src` into a zero-padded block.
+#[inline(always)]
+fn pad<T: Copy + Default>(src: &[T]) -> [T; LANES] {
+    let mut b = [T::default(); LANES];
+    b[..src.len()].copy_from_slice(src);
+    b
+}
+
+/// The block loop over one chunk.
+///
+/// # Safety
+/// The CPU supports `I`; all slices have `p.len()` elements (`vmax` too when `AMS`).
+#[inline(always)]
+unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
+    c: &Consts,
+    p: &mut [f32],
+    g: &[G],
+    m: &mut [S],
+    v: &mut [S],
+    vmax: &mut [S],
+    out: &mut OutMut<'_>,
+) {
+    let n = p.len();
+    let full = n / LANES;
+    let (pb, pt) = p.as_chunks_mut::<LANES>();
+    let (gb, gt) = g.as_chunks::<LANES>();
+    let (mb, mt) = m.as_chunks_mut::<LANES>();
+    let (vb, vt) = v.as_chunks_mut::<LANES>();
+    let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+    // SAFETY: every `*b` slice has `full` blocks (same lengths, checked by the caller), so the
+    // unchecked indexing stays in bounds; the CPU supports `I` (caller's contract).
+    unsafe {
+        for b in 0..full {
+            let pk = pb.get_unchecked_mut(b);
+            out_block::<I, false>(pk, out, b);
+            let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
+            update_block::<I, G, S, AMS>(
+                c,
+                pk,
+                gb.get_unchecked(b),
+                mb.get_unchecked_mut(b),
+                vb.get_unchecked_mut(b),
+                x,
+            );
+            out_block::<I, true>(pk, out, b);
+        }
+    }
+    let r = n - full * LANES;
+    if r == 0 {
+        return;
+    }
+    // The tail goes through the same block code, padded with zeros (which stay finite).
+    let mut p1 = pad(pt);
+    let (mut m1, mut v1) = (pad(mt), pad(vt));
+    let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
+    let mut o = OutMut::None;
+    let (mut ob, mut of) = ([Bf16::default(); LANES], [F16::default(); LANES]);
+    match out {
+        OutMut::None => {}
+        OutMut::Bf16(s) => {
+            ob = pad(&s[full * LANES..]);
+            o = OutMut::Bf16(&mut ob);
+        }
+        OutMut::F16(s) => {
+            of = pad(&s[full * LANES..]);
+            o = OutMut::F16(&mut of);
+        }
+    }
+    // SAFETY: as above; `o` holds exactly one block.
+    unsafe {
+        out_block::<I, false>(&mut p1, &mut o, 0);
+        update_block::<I, G, S, AMS>(c, &mut p1, &pad(gt), &mut m1, &mut v1, AMS.then_some(&mut x1));
+        out_block::<I, true>(&mut p1, &mut o, 0);
+    }
+    pt.copy_from_slice(&p1[..r]);
+    mt.copy_from_slice(&m1[..r]);
+    vt.copy_from_slice(&v1[..r]);
+    if AMS {
+        xt.copy_from_slice(&x1[..r]);
+    }
+    match out {
+        OutMut::None => {}
+        OutMut::Bf16(s) => s[full * LANES..].copy_from_slice(&ob[..r]),
+        OutMut::F16(s) => s[full * LANES..].copy_from_slice(&of[..r]),
+    }
+}
+
+/// Sum of squares in f64, lane-wise then in a fixed order.
+#[inline(always)]
+unsafe fn sq_norm_body<I: Isa, G: BlockIo>(g: &[G]) -> f64 {
+    let (gb, gt) = g.as_chunks::<LANES>();
+    let mut acc = [0.0f64; LANES];
+    let mut add = |x: &Block| {
+        for i in 0..LANES {
+            let d = x[i] as f64;
+            acc[i] += d * d;
+        }
+    };
+    for b in gb {
+        add(&unsafe { G::load::<I>(b) });
+    }
+    if !gt.is_empty() {
+        add(&unsafe { G::load::<I>(&pad(gt)) });
+    }
+    let mut width = LANES / 2;
+    while width > 0 {
+        for i in 0..width {
+            acc[i] += acc[i + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
+#[inline(always)]
+fn nonfinite_body<G: Elem>(g: &[G]) -> bool {
+    let (gb, gt) = g.as_chunks::<64>();
+    for b in gb {
+        if b.iter().fold(false, |a, x| a | x.is_nonfinite()) {
+            return true;
+        }
+    }
+    gt.iter().any(|x| x.is_nonfinite())
+}
+
+/// The typed entry points of one path.
+trait Path {
+    /// # Safety
+    /// As for [`body`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn update<G: BlockIo, S: BlockIo, const AMS: bool>(
+        c: &Consts,
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [S],
+        v: &mut [S],
+        vmax: &mut [S],
+        out: &mut OutMut<'_>,
+    );
+    /// # Safety
+    /// The CPU supports the path.
+    unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64;
+    /// # Safety
+    /// The CPU supports the path.
+    unsafe fn nonfinite<G: BlockIo>(g: &[G]) -> bool;
+}
+
+macro_rules! path {
+    ($name:ident, $isa:ty $(, $features:literal)?) => {
+        struct $name;
+        impl Path for $name {
+            #[inline]
+            unsafe fn update<G: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts, p: &mut [f32], g: &[G], m: &mut [S], v: &mut [S], vmax: &mut [S],
+                out: &mut OutMut<'_>,
+            ) {
+                $(#[target_feature(enable = $features)])?
+                unsafe fn f<G: BlockIo, S: BlockIo, const AMS: bool>(
+                    c: &Consts, p: &mut [f32], g: &[G], m: &mut [S], v: &mut [S], vmax: &mut [S],
+                    out: &mut OutMut<'_>,
+                ) {
+                    unsafe { body::<$isa, G, S, AMS>(c, p, g, m, v, vmax, out) }
+                }
+                unsafe { f::<G, S, AMS>(c, p, g, m, v, vmax, out) }
+            }
+            #[inline]
+            unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
+                $(#[target_feature(enable = $features)])?
+                unsafe fn f<G: BlockIo>(g: &[G]) -> f64 {
+                    unsafe { sq_norm_body::<$isa, G>(g) }
+                }
+                unsafe { f::<G>(g) }
+            }
+            #[inline]
+            unsafe fn nonfinite<G: BlockIo>(g: &[G]) -> bool {
+                $(#[target_feature(enable = $features)])?
+                unsafe fn f<G: BlockIo>(g: &[G]) -> bool {
+                    nonfinite_body(g)
+                }
+                unsafe { f::<G>(g) }
+            }
+        }
+    };
+}
+
+path!(GenericPath, Generic);
+#[cfg(target_arch = "x86_64")]
+path!(Avx2Path, Avx2, "avx2,fma,f16c");
+#[cfg(target_arch = "x86_64")]
+path!(Avx512Path, Avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c");
+#[cfg(target_arch = "x86_64")]
+path!(Avx512Bf16Path, Avx512Bf16, "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c");
+
+/// Runs one (validated) segment on path `P`.
+///
+/// # Safety
+/// The CPU supports `P`.
+unsafe fn run_path<P: Path>(s: Segment<'_>) {
+    let Segment { consts, amsgrad, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, mut out } = s;
+    macro_rules! go {
+        ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
+            // SAFETY: lengths validated; path support is the caller's contract.
+            unsafe { P::update::<_, _, $ams>(&consts, param, $g, $m, $v, $x, &mut out) }
+        };
+    }
+    macro_rules! by_state {
+        ($g:expr) => {
+            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
+                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => go!(true, $g, m, v, x),
+                (StateMut::F32(m), StateMut::F32(v), _) => go!(false, $g, m, v, &mut []),
+                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => go!(true, $g, m, v, x),
+                (StateMut::Bf16(m), StateMut::Bf16(v), _) => go!(false, $g, m, v, &mut []),
+                _ => unreachable!("validated: moments share one dtype"),
+            }
+        };
+    }
+    match grad {
+        GradRef::F32(g) => by_state!(g),
+        GradRef::Bf16(g) => by_state!(g),
+        GradRef::F16(g) => by_state!(g),
+    }
+}
+
+fn run_reference(s: Segment<'_>) {
+    let Segment { consts, amsgrad, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out } = s;
+    macro_rules! go {
+        ($g:expr, $m:expr, $v:expr, $x:expr) => {
+            match out {
+                OutMut::None => reference::update::<_, _, Bf16>(&consts, param, $g, $m, $v, $x, None),
+                OutMut::Bf16(o) => reference::update(&consts, param, $g, $m, $v, $x, Some(o)),
+                OutMut::F16(o) => reference::update(&consts, param, $g, $m, $v, $x, Some(o)),
+            }
+        };
+    }
+    macro_rules! by_state {
+        ($g:expr) => {
+            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
+                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => go!($g, m, v, Some(x)),
+                (StateMut::F32(m), StateMut::F32(v), _) => go!($g, m, v, None),
+                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => go!($g, m, v, Some(x)),
+                (StateMut::Bf16(m), StateMut::Bf16(v), _) => go!($g, m, v, None),
+                _ => unreachable!("validated: moments share one dtype"),
+            }
+        };
+    }
+    match grad {
+        GradRef::F32(g) => by_state!(g),
+        GradRef::Bf16(g) => by_state!(g),
+        GradRef::F16(g) => by_state!(g),
+    }
+}
+
+/// Runs one validated segment on `simd`, on the calling thread.
+fn run_segment(simd: Simd, s: Segment<'_>) {
+    match simd {
+        Simd::Scalar => run_reference(s),
+        // SAFETY (all arms): `check_simd` verified that this CPU runs `simd` before any segment.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { run_path::<Avx2Path>(s) },
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => unsafe { run_path::<Avx512Path>(s) },
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Bf16 => unsafe { run_path::<Avx512Bf16Path>(s) },
+        _ => unsafe { run_path::<GenericPath>(s) },
+    }
+}
+
+fn check_simd(simd: Simd) -> Result<(), String> {
+    if simd.supported() {
+        Ok(())
+    } else {
+        Err(format!("SIMD path {} is not supported by this CPU", simd.name()))
+    }
+}
+
+/// Where the work runs: a thread pool, or (None) the calling thread.
+pub type Pool<'p> = Option<&'p rayon::ThreadPool>;
+
+fn for_each<T: Send>(pool: Pool<'_>, items: Vec<T>, f: impl Fn(T) + Sync + Send) {
+    match pool {
+        Some(p) if p.current_num_threads() > 1 => p.install(|| items.into_par_iter().for_each(f)),
+        _ => items.into_iter().for_each(f),
+    }
+}
+
+/// Updates every segment: validates them all first (an error leaves every buffer untouched),
+/// then runs them on `pool` in chunks of at most [`CHUNK`] elements.
+pub fn adam_step(simd: Simd, pool: Pool<'_>, segments: Vec<Segment<'_>>) -> Result<(), String> {
+    check_simd(simd)?;
+    for (i, s) in segments.iter().enumerate() {
+        s.validate().map_err(|e| format!("segment {i}: {e}"))?;
+    }
+    let mut chunks = Vec::with_capacity(segments.len());
+    for s in segments {
+        s.chunks(CHUNK, &mut chunks);
+    }
+    for_each(pool, chunks, |c| run_segment(simd, c));
+    Ok(())
+}
+
+fn grad_chunks<'a>(grads: &[GradRef<'a>]) -> Vec<GradRef<'a>> {
+    let mut out = Vec::new();
+    for g in grads {
+        let mut rest = match g {
+            GradRef::F32(s) => GradRef::F32(s),
+            GradRef::Bf16(s) => GradRef::Bf16(s),
+            GradRef::F16(s) => GradRef::F16(s),
+        };
+        while rest.len() > CHUNK {
+            let (a, b) = rest.split_at(CHUNK);
+            out.push(a);
+            rest = b;
+        }
+        if !rest.is_empty() {
+            out.push(rest);
+        }
+    }
+    out
+}
+
+fn map_chunks<R: Send>(
+    simd: Simd,
+    pool: Pool<'_>,
+    grads: &[GradRef<'_>],
+    f: impl Fn(Simd, &GradRef<'_>) -> R + Sync + Send,
+) -> Result<Vec<R>, String> {
+    check_simd(simd)?;
+    let chunks = grad_chunks(grads);
+    Ok(match pool {
+        Some(p) if p.current_num_threads() > 1 => p.install(|| chunks.par_iter().map(|c| f(simd, c)).collect()),
+        _ => chunks.iter().map(|c| f(simd, c)).collect(),
+    })
+}
+
+/// Sum of the squares of every gradient element, accumulated in f64. Deterministic: partial sums
+/// of fixed chunks, added in order, whatever the number of threads.
+pub fn grad_sq_norm(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<f64, String> {
+    fn one<P: Path>(g: &GradRef<'_>) -> f64 {
+        // SAFETY: `map_chunks` checked that the CPU runs the path.
+        unsafe {
+            match g {
+                GradRef::F32(s) => P::sq_norm(s),
+                GradRef::Bf16(s) => P::sq_norm(s),
+                GradRef::F16(s) => P::sq_norm(s),
+            }
+        }
+    }
+    let parts = map_chunks(simd, pool, grads, |simd, g| match simd {
+        Simd::Scalar => match g {
+            GradRef::F32(s) => s.iter().map(|x| (*x as f64) * (*x as f64)).sum(),
+            GradRef::Bf16(s) => s.iter().map(|x| (x.to_f32() as f64).powi(2)).sum(),
+            GradRef::F16(s) => s.iter().map(|x| (x.to_f32() as f64).powi(2)).sum(),
+        },
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => one::<Avx2Path>(g),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => one::<Avx512Path>(g),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Bf16 => one::<Avx512Bf16Path>(g),
+        _ => one::<GenericPath>(g),
+    })?;
+    Ok(parts.iter().sum())
+}
+
+/// Whether any gradient element is an infinity or a NaN. Reads only.
+pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<bool, String> {
+    fn one<P: Path>(g: &GradRef<'_>) -> bool {
+        // SAFETY: `map_chunks` checked that the CPU runs the path.
+        unsafe {
+            match g {
+                GradRef::F32(s) => P::nonfinite(s),
+                GradRef::Bf16(s) => P::nonfinite(s),
+                GradRef::F16(s) => P::nonfinite(s),
+            }
+        }
+    }
+    let parts = map_chunks(simd, pool, grads, |simd, g| match simd {
+        Simd::Scalar => match g {
+            GradRef::F32(s) => s.iter().any(|x| !x.is_finite()),
+            GradRef::Bf16(s) => s.iter().any(|x| !x.to_f32().is_finite()),
+            GradRef::F16(s) => s.iter().any(|x| !x.to_f32().is_finite()),
+        },
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => one::<Avx2Path>(g),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 => one::<Avx512Path>(g),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Bf16 => one::<Avx512Bf16Path>(g),
+        _ => one::<GenericPath>(g),
+    })?;
+    Ok(parts.into_iter().any(|b| b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// xorshift64*: deterministic test data without a dependency.
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> f32 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            let x = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d);
+            ((x >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+        fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+            (0..n).map(|_| self.next() * scale).collect()
+        }
+    }
+
+    fn hyper(decoupled: bool, amsgrad: bool, maximize: bool, wd: f64) -> Hyper {
+        Hyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: wd,
+            decoupled,
+            amsgrad,
+            maximize,
+            bias_correction: true,
+            grad_scale: 1.0,
+        }
+    }
+
+    #[derive(Clone, Debug, PartialEq)]
+    struct Bufs {
+        p: Vec<f32>,
+        g: Vec<f32>,
+        m: Vec<f32>,
+        v: Vec<f32>,
+        x: Vec<f32>,
+    }
+
+    impl Bufs {
+        fn new(n: usize, seed: u64) -> Bufs {
+            let mut r = Rng(seed | 1);
+            let m = r.vec(n, 0.01);
+            let v: Vec<f32> = r.vec(n, 1e-4).iter().map(|x| x.abs()).collect();
+            let x = v.iter().zip(r.vec(n, 1e-4)).map(|(v, d)| v + d.abs() * 0.5).collect();
+            Bufs { p: r.vec(n, 1.0), g: r.vec(n, 0.1), m, v, x }
+        }
+    }
+
+    /// Runs `steps` updates on fp32 buffers with `simd` and `threads` threads.
+    fn run(b: &mut Bufs, h: &Hyper, simd: Simd, threads: usize, steps: u64) {
+        let pool = crate::pool::get(threads).unwrap();
+        for t in 1..=steps {
+            let seg = Segment {
+                consts: Consts::new(h, t),
+                amsgrad: h.amsgrad,
+                param: &mut b.p,
+                grad: GradRef::F32(&b.g),
+                exp_avg: StateMut::F32(&mut b.m),
+                exp_avg_sq: StateMut::F32(&mut b.v),
+                max_exp_avg_sq: Some(StateMut::F32(&mut b.x)),
+                out: OutMut::None,
+            };
+            adam_step(simd, pool.as_deref(), vec![seg]).unwrap();
+        }
+    }
+
+    fn close(a: &[f32], b: &[f32], rtol: f32, atol: f32, what: &str) {
+        assert_eq!(a.len(), b.len());
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            let ok = (x.is_nan() && y.is_nan()) || x == y || (x - y).abs() <= atol + rtol * y.abs();
+            assert!(ok, "{what}[{i}]: {x} vs {y}");
+        }
+    }
+
+    #[test]
+    fn every_path_matches_the_reference_in_every_mode() {
+        for simd in Simd::available() {
+            for &(decoupled, amsgrad, maximize, wd) in &[
+                (true, false, false, 0.01),
+                (false, false, false, 0.0),
+                (false, true, false, 0.1),
+                (true, true, true, 0.1),
+                (false, false, true, 0.05),
+            ] {
+                let h = hyper(decoupled, amsgrad, maximize, wd);
+                for n in [0usize, 1, 7, 15, 16, 17, 33, 100, 1000] {
+                    let mut a = Bufs::new(n, 42 + n as u64);
+                    let mut b = a.clone();
+                    run(&mut a, &h, Simd::Scalar, 1, 5);
+                    run(&mut b, &h, simd, 1, 5);
+                    let what = format!("{simd:?} {h:?} n={n}");
+                    close(&b.p, &a.p, 1e-6, 1e-7, &format!("p {what}"));
+                    close(&b.m, &a.m, 1e-5, 1e-9, &format!("m {what}"));
+                    close(&b.v, &a.v, 1e-5, 1e-12, &format!("v {what}"));
+                    close(&b.x, &a.x, 1e-5, 1e-12, &format!("vmax {what}"));
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bitwise_identical_for_any_thread_count() {
+        let h = hyper(true, true, false, 0.01);
+        let n = 3 * CHUNK + 77;
+        let mut base = Bufs::new(n, 7);
+        run(&mut base, &h, Simd::best(), 1, 3);
+        for threads in [2, 3, 5] {
+            let mut b = Bufs::new(n, 7);
+            run(&mut b, &h, Simd::best(), threads, 3);
+            assert!(b == base, "{threads} threads differ");
+        }
+    }
+
+    #[test]
+    fn nan_and_inf_propagate_like_torch() {
+        for simd in Simd::available() {
+            let h = hyper(true, true, false, 0.01);
+            let mut b = Bufs::new(40, 3);
+            b.g[3] = f32::NAN;
+            b.g[20] = f32::INFINITY;
+            b.g[39] = f32::NEG_INFINITY;
+            let mut r = b.clone();
+            run(&mut b, &h, simd, 1, 1);
+            run(&mut r, &h, Simd::Scalar, 1, 1);
+            for i in [3, 20, 39] {
+                assert!(b.p[i].is_nan(), "{simd:?} p[{i}] = {}", b.p[i]);
+                assert_eq!(b.p[i].is_nan(), r.p[i].is_nan());
+                assert_eq!(b.m[i].is_nan(), r.m[i].is_nan(), "{simd:?} m[{i}]");
+                close(&b.v[i..=i], &r.v[i..=i], 0.0, 0.0, &format!("{simd:?} v[{i}]"));
+                close(&b.m[i..=i], &r.m[i..=i], 0.0, 0.0, &format!("{simd:?} m[{i}]"));
+            }
+            // A NaN already in the amsgrad maximum stays (torch.maximum propagates NaN).
+            let mut c = Bufs::new(20, 5);
+            c.x[2] = f32::NAN;
+            run(&mut c, &h, simd, 1, 2);
+            assert!(c.x[2].is_nan() && c.p[2].is_nan());
+            close(&c.p[3..], &Bufs::new(20, 5).p[3..], 0.0, 1e-2, "untouched neighbours stay finite");
+        }
+    }
+
+    /// Low-precision gradients, bf16 moments and the low-precision weight copy, on every path.
+    #[test]
+    fn low_precision_buffers_match_the_reference() {
+        let n = 203;
+        let h = hyper(true, true, false, 0.01);
+        for simd in Simd::available() {
+            let src = Bufs::new(n, 11);
+            let gb: Vec<Bf16> = src.g.iter().map(|&x| Bf16::from_f32(x)).collect();
+            let gh: Vec<F16> = src.g.iter().map(|&x| F16::from_f32(x)).collect();
+            let grads = [GradRef::Bf16(&gb), GradRef::F16(&gh), GradRef::F32(&src.g)];
+            for gi in 0..3 {
+                for bf16_state in [false, true] {
+                    for out_kind in 0..3 {
+                        let mut results = Vec::new();
+                        for s in [Simd::Scalar, simd] {
+                            let mut p = src.p.clone();
+                            let mut m32 = src.m.clone();
+                            let mut v32 = src.v.clone();
+                            let mut x32 = src.x.clone();
+                            let mut m16: Vec<Bf16> = src.m.iter().map(|&x| Bf16::from_f32(x)).collect();
+                            let mut v16: Vec<Bf16> = src.v.iter().map(|&x| Bf16::from_f32(x)).collect();
+                            let mut x16: Vec<Bf16> = src.x.iter().map(|&x| Bf16::from_f32(x)).collect();
+                            // The copy starts as the model's own weights, which differ from the
+                            // master: the kernel must take them over.
+                            let mut ob: Vec<Bf16> = src.p.iter().map(|&x| Bf16::from_f32(x * 0.5)).collect();
+                            let mut oh: Vec<F16> = src.p.iter().map(|&x| F16::from_f32(x * 0.5)).collect();
+                            for t in 1..=3 {
+                                let g = match &grads[gi] {
+                                    GradRef::F32(x) => GradRef::F32(x),
+                                    GradRef::Bf16(x) => GradRef::Bf16(x),
+                                    GradRef::F16(x) => GradRef::F16(x),
+                                };
+                                let (m, v, x) = if bf16_state {
+                                    (StateMut::Bf16(&mut m16), StateMut::Bf16(&mut v16), StateMut::Bf16(&mut x16))
+                                } else {
+                                    (StateMut::F32(&mut m32), StateMut::F32(&mut v32), StateMut::F32(&mut x32))
+                                };
+                                let out = match out_kind {
+                                    0 => OutMut::None,
+                                    1 => OutMut::Bf16(&mut ob),
+                                    _ => OutMut::F16(&mut oh),
+                                };
+                                let seg = Segment {
+                                    consts: Consts::new(&h, t),
+                                    amsgrad: true,
+                                    param: &mut p,
+                                    grad: g,
+                                    exp_avg: m,
+                                    exp_avg_sq: v,
+                                    max_exp_avg_sq: Some(x),
+                                    out,
+                                };
+                                adam_step(s, None, vec![seg]).unwrap();
+                            }
+                            let m: Vec<f32> = if bf16_state { m16.iter().map(|x| x.to_f32()).collect() } else { m32 };
+                            let o: Vec<f32> = match out_kind {
+                                0 => p.clone(),
+                                1 => ob.iter().map(|x| x.to_f32()).collect(),
+                                _ => oh.iter().map(|x| x.to_f32()).collect(),
+                            };
+                            results.push((p, m, o));
+                        }
+                        let what = format!("{simd:?} grad#{gi} bf16_state={bf16_state} out#{out_kind}");
+                        let (r, f) = (&results[0], &results[1]);
+                        close(&f.0, &r.0, 1e-5, 1e-6, &format!("master {what}"));
+                        // Rounded values may differ by one unit of the low-precision format.
+                        close(&f.1, &r.1, 1e-2, 1e-6, &format!("exp_avg {what}"));
+                        close(&f.2, &r.2, 1e-2, 1e-6, &format!("copy {what}"));
+                        if out_kind > 0 {
+                            // The master was taken over from the copy (x * 0.5), then updated.
+                            for i in 0..n {
+                                assert!((f.0[i] - src.p[i] * 0.5).abs() < 0.01, "{what} master[{i}]");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn bias_correction_off_and_grad_scale() {
+        for simd in Simd::available() {
+            let mut h = hyper(true, false, false, 0.0);
+            h.bias_correction = false;
+            h.grad_scale = 0.25;
+            let mut a = Bufs::new(50, 9);
+            let mut b = a.clone();
+            run(&mut a, &h, Simd::Scalar, 1, 4);
+            run(&mut b, &h, simd, 1, 4);
+            close(&b.p, &a.p, 1e-6, 1e-7, "p");
+            // grad_scale multiplies the gradient: same as feeding g * scale.
+            let mut c = Bufs::new(50, 9);
+            c.g.iter_mut().for_each(|g| *g *= 0.25);
+            h.grad_scale = 1.0;
+            run(&mut c, &h, Simd::Scalar, 1, 4);
+            close(&c.p, &a.p, 1e-6, 1e-7, "scaled");
+        }
+    }
+
+    #[test]
+    fn reductions_match_and_are_deterministic() {
+        let mut r = Rng(99);
+        let big = r.vec(2 * CHUNK + 5, 3.0);
+        let small = r.vec(17, 1.0);
+        let hb: Vec<Bf16> = small.iter().map(|&x| Bf16::from_f32(x)).collect();
+        let exact: f64 = big.iter().chain(&small).map(|&x| (x as f64) * (x as f64)).sum::<f64>()
+            + hb.iter().map(|x| (x.to_f32() as f64).powi(2)).sum::<f64>();
+        let grads = [GradRef::F32(&big), GradRef::F32(&small), GradRef::Bf16(&hb), GradRef::F32(&[])];
+        for simd in Simd::available() {
+            let one = grad_sq_norm(simd, None, &grads).unwrap();
+            assert!((one - exact).abs() <= 1e-12 * exact, "{simd:?}");
+            for threads in [2, 3] {
+                let pool = crate::pool::get(threads).unwrap();
+                assert_eq!(grad_sq_norm(simd, pool.as_deref(), &grads).unwrap(), one);
+                assert!(!grads_nonfinite(simd, pool.as_deref(), &grads).unwrap());
+            }
+            for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                let mut b = big.clone();
+                b[CHUNK + 3] = bad;
+                assert!(grads_nonfinite(simd, None, &[GradRef::F32(&b)]).unwrap(), "{simd:?}");
+                let hf = [F16::from_f32(1.0), F16::from_f32(bad)];
+                assert!(grads_nonfinite(simd, None, &[GradRef::F16(&hf)]).unwrap());
+            }
+        }
+    }
+
+    #[test]
+    fn invalid_segments_are_refused_before_anything_runs() {
+        let mut p = vec![1.0f32; 8];
+        let before = p.clone();
+        let (g, mut m, mut v) = (vec![1.0f32; 8], vec![0.0f32; 8], vec![0.0f32; 7]);
+        let mut p2 = vec![1.0f32; 4];
+        let (g2, mut m2, mut v2) = (vec![1.0f32; 4], vec![0.0f32; 4], vec![0.0f32; 4]);
+        let h = hyper(true, false, false, 0.0);
+        let good = Segment {
+            consts: Consts::new(&h, 1),
+            amsgrad: false,
+            param: &mut p2,
+            grad: GradRef::F32(&g2),
+            exp_avg: StateMut::F32(&mut m2),
+            exp_avg_sq: StateMut::F32(&mut v2),
+            max_exp_avg_sq: None,
+            out: OutMut::None,
+        };
+        let bad = Segment {
+            consts: Consts::new(&h, 1),
+            amsgrad: false,
+            param: &mut p,
+            grad: GradRef::F32(&g),
+            exp_avg: StateMut::F32(&mut m),
+            exp_avg_sq: StateMut::F32(&mut v),
+            max_exp_avg_sq: None,
+            out: OutMut::None,
+        };
+        let err = adam_step(Simd::best(), None, vec![good, bad]).unwrap_err();
+        assert!(err.contains("exp_avg_sq has 7 elements"), "{err}");
+        assert_eq!(p, before);
+        assert_eq!(p2, vec![1.0f32; 4]);
+        let mut h2 = h;
+        h2.beta2 = 1.0;
+        assert!(h2.validate().unwrap_err().contains("beta parameter at index 1"));
+        h2 = h;
+        h2.lr = f64::NAN;
+        assert!(h2.validate().unwrap_err().contains("learning rate"));
+    }
+}

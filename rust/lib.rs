@@ -1,0 +1,13 @@
+//! offload_adam: a fused, SIMD, multithreaded Adam/AdamW for PyTorch optimizer state kept in host
+//! memory. Layers (see DESIGN.md): `elem`/`isa`/`kernel` are pure Rust over slices; `pool` holds
+//! the fork-safe thread pools; `dlpack` and `bindings` (feature `python`) talk to torch.
+
+pub mod elem;
+pub mod isa;
+pub mod kernel;
+pub mod pool;
+
+#[cfg(feature = "python")]
+mod bindings;
+#[cfg(feature = "python")]
+mod dlpack;

@@ -12,7 +12,7 @@ use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::intern;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::dlpack::{DType, Import};
 use crate::elem::Bf16;
@@ -86,7 +86,6 @@ struct Entry {
     complex: bool,
     offset: usize,
     data_ptr: usize,
-    dtype: Py<PyAny>,
     /// The parameter's strides, to check a gradient against when the parameter is not
     /// row-major contiguous (channels_last, transposed).
     strides: Option<Vec<i64>>,
@@ -103,8 +102,9 @@ pub struct ParamSet {
     steps: Import,
     /// Byte ranges the kernel writes, sorted (no gradient may overlap them).
     writable: Vec<(usize, usize)>,
-    /// Held while a step runs: two concurrent steps on one set would race.
-    busy: Mutex<()>,
+    /// Held while a step runs: two concurrent steps on one set would race. It guards the
+    /// gradient cache: per parameter, a weak reference to the gradient checked last step.
+    busy: Mutex<Vec<Option<(Py<PyWeakrefReference>, GradInfo)>>>,
 }
 
 impl ParamSet {
@@ -203,7 +203,6 @@ impl ParamSet {
                 complex,
                 offset: offsets[i],
                 data_ptr,
-                dtype: dtype.unbind(),
                 strides,
                 export,
             });
@@ -231,7 +230,7 @@ impl ParamSet {
             master,
             steps,
             writable,
-            busy: Mutex::new(()),
+            busy: Mutex::new(Vec::new()),
         };
         if let Some(x) = max_exp_avg_sq {
             set.set_max_exp_avg_sq(x)?;
@@ -306,6 +305,7 @@ fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_correction:
 }
 
 /// What a step learned about one parameter's gradient.
+#[derive(Clone, Copy)]
 struct GradInfo {
     ptr: usize,
     dtype: DType,
@@ -426,10 +426,13 @@ fn adam_step(
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
     let t = torch(py)?;
-    let _busy: Vec<_> = sets
+    let mut caches: Vec<_> = sets
         .iter()
         .map(|s| s.busy.try_lock().map_err(|_| PyRuntimeError::new_err("another step is running on this optimizer")))
         .collect::<PyResult<_>>()?;
+    for (c, s) in caches.iter_mut().zip(&sets) {
+        c.resize_with(s.entries.len(), || None);
+    }
     let vmaxes: Vec<_> = sets.iter().map(|s| s.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner())).collect();
 
     // 1. Check everything, touch nothing.
@@ -454,11 +457,13 @@ fn adam_step(
     for (si, set) in sets.iter().enumerate() {
         for (ei, e) in set.entries.iter().enumerate() {
             let p = e.param.bind(py);
+            // The optimizer holds the old storage alive (DLPack), so a replaced storage
+            // (`model.double()`, `p.data = ...`, `model.to(...)`) always has another address.
             let ptr: usize = p.call_method0(intern!(py, "data_ptr"))?.extract()?;
-            let dtype = p.getattr(intern!(py, "dtype"))?;
-            if (ptr != e.data_ptr && e.numel > 0) || !dtype.is(&e.dtype) {
+            if ptr != e.data_ptr && e.numel > 0 {
+                let dtype = p.getattr(intern!(py, "dtype"))?;
                 return Err(PyRuntimeError::new_err(format!(
-                    "{}: the parameter's storage or dtype was replaced after the optimizer was built (now {dtype}); \
+                    "{}: the parameter's storage was replaced after the optimizer was built (now {dtype}); \
                      the optimizer's buffers still refer to the old one. Build the optimizer after model.to()/.double()/p.data = ...",
                     e.name
                 )));
@@ -467,7 +472,24 @@ fn adam_step(
             if g.is_none() {
                 continue;
             }
-            let info = grad_info(e, &g, t)?;
+            // The same gradient object as last step, at the same address, was checked then: its
+            // dtype, layout and size cannot change without its data pointer changing.
+            let cache = &mut caches[si][ei];
+            let cached = match cache {
+                Some((w, info)) if w.bind(py).upgrade().is_some_and(|o| o.is(&g)) => {
+                    let now: usize = g.call_method0(intern!(py, "data_ptr"))?.extract()?;
+                    (now == info.ptr).then_some(*info)
+                }
+                _ => None,
+            };
+            let info = match cached {
+                Some(i) => i,
+                None => {
+                    let i = grad_info(e, &g, t)?;
+                    *cache = PyWeakrefReference::new(&g).ok().map(|w| (w.unbind(), i));
+                    i
+                }
+            };
             let (lo, hi) = (info.ptr, info.ptr + e.len * info.dtype.size());
             if e.len > 0 && sets.iter().any(|s| overlaps(&s.writable, lo, hi)) {
                 return Err(PyValueError::new_err(format!(

@@ -132,6 +132,9 @@ pub fn resolve(name: &str) -> Result<Simd, String> {
 /// Implementations may use instructions of their path: call them only from code running on a CPU
 /// that supports that path (the dispatch in `kernel.rs` checks this once).
 pub unsafe trait Isa: Copy + Send + Sync + 'static {
+    /// Hints that the cache line at `p` will be read soon. Never faults (any address is fine).
+    #[inline(always)]
+    fn prefetch(_p: *const u8) {}
     #[inline(always)]
     unsafe fn bf16_load(src: &[u16; LANES]) -> Block {
         src.map(bf16_to_f32)
@@ -177,6 +180,11 @@ mod x86 {
     // [f32; 16] = 64 bytes = two __m256 or one __m512), valid for every bit pattern.
     unsafe impl Isa for Avx2 {
         #[inline(always)]
+        fn prefetch(p: *const u8) {
+            // SAFETY: a prefetch is a hint: it never faults, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        }
+        #[inline(always)]
         unsafe fn f16_load(src: &[u16; LANES]) -> Block {
             unsafe {
                 let h: [__m128i; 2] = std::mem::transmute(*src);
@@ -197,6 +205,10 @@ mod x86 {
 
     unsafe impl Isa for Avx512 {
         #[inline(always)]
+        fn prefetch(p: *const u8) {
+            Avx2::prefetch(p)
+        }
+        #[inline(always)]
         unsafe fn f16_load(src: &[u16; LANES]) -> Block {
             unsafe { std::mem::transmute(_mm512_cvtph_ps(std::mem::transmute::<[u16; LANES], __m256i>(*src))) }
         }
@@ -212,6 +224,10 @@ mod x86 {
     }
 
     unsafe impl Isa for Avx512Bf16 {
+        #[inline(always)]
+        fn prefetch(p: *const u8) {
+            Avx2::prefetch(p)
+        }
         #[inline(always)]
         unsafe fn f16_load(src: &[u16; LANES]) -> Block {
             unsafe { Avx512::f16_load(src) }

@@ -479,6 +479,12 @@ fn pad<T: Copy + Default>(src: &[T]) -> [T; LANES] {
     b
 }
 
+/// Software prefetch distance, in blocks (one 64-byte line of each fp32 stream per block). The
+/// hardware prefetchers stop at 4 KiB page edges and track few streams; asking 2-4 KiB ahead on
+/// each of the 4-6 streams measured 10-20% faster from DRAM on 2 cores (same-run check:
+/// `python -m offload_adam bench`), with no change in cache-resident runs.
+const PREFETCH_BLOCKS: usize = 48;
+
 /// The block loop over one chunk.
 ///
 /// # Safety
@@ -492,6 +498,7 @@ unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     v: &mut [S],
     vmax: &mut [S],
     out: &mut OutMut<'_>,
+    next: &Lookahead,
 ) {
     let n = p.len();
     let full = n / LANES;
@@ -504,6 +511,24 @@ unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     // unchecked indexing stays in bounds; the CPU supports `I` (caller's contract).
     unsafe {
         for b in 0..full {
+            let ahead = b + PREFETCH_BLOCKS;
+            if ahead < full {
+                I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
+                I::prefetch(gb.as_ptr().wrapping_add(ahead) as *const u8);
+                I::prefetch(mb.as_ptr().wrapping_add(ahead) as *const u8);
+                I::prefetch(vb.as_ptr().wrapping_add(ahead) as *const u8);
+                if AMS {
+                    I::prefetch(xb.as_ptr().wrapping_add(ahead) as *const u8);
+                }
+                match out {
+                    OutMut::Bf16(o) => I::prefetch(o.as_ptr().wrapping_add(ahead * LANES) as *const u8),
+                    OutMut::F16(o) => I::prefetch(o.as_ptr().wrapping_add(ahead * LANES) as *const u8),
+                    OutMut::None => {}
+                }
+            } else {
+                // Near the end: start on the next segment of this task.
+                next.prefetch::<I>(ahead - full);
+            }
             let pk = pb.get_unchecked_mut(b);
             out_block::<I, false>(pk, out, b);
             let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
@@ -609,6 +634,7 @@ trait Path {
         v: &mut [S],
         vmax: &mut [S],
         out: &mut OutMut<'_>,
+        next: &Lookahead,
     );
     /// # Safety
     /// The CPU supports the path.
@@ -625,16 +651,16 @@ macro_rules! path {
             #[inline]
             unsafe fn update<G: BlockIo, S: BlockIo, const AMS: bool>(
                 c: &Consts, p: &mut [f32], g: &[G], m: &mut [S], v: &mut [S], vmax: &mut [S],
-                out: &mut OutMut<'_>,
+                out: &mut OutMut<'_>, next: &Lookahead,
             ) {
                 $(#[target_feature(enable = $features)])?
                 unsafe fn f<G: BlockIo, S: BlockIo, const AMS: bool>(
                     c: &Consts, p: &mut [f32], g: &[G], m: &mut [S], v: &mut [S], vmax: &mut [S],
-                    out: &mut OutMut<'_>,
+                    out: &mut OutMut<'_>, next: &Lookahead,
                 ) {
-                    unsafe { body::<$isa, G, S, AMS>(c, p, g, m, v, vmax, out) }
+                    unsafe { body::<$isa, G, S, AMS>(c, p, g, m, v, vmax, out, next) }
                 }
-                unsafe { f::<G, S, AMS>(c, p, g, m, v, vmax, out) }
+                unsafe { f::<G, S, AMS>(c, p, g, m, v, vmax, out, next) }
             }
             #[inline]
             unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
@@ -668,12 +694,12 @@ path!(Avx512Bf16Path, Avx512Bf16, "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16
 ///
 /// # Safety
 /// The CPU supports `P`.
-unsafe fn run_path<P: Path>(s: Segment<'_>) {
+unsafe fn run_path<P: Path>(s: Segment<'_>, next: &Lookahead) {
     let Segment { consts, amsgrad, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, mut out } = s;
     macro_rules! go {
         ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
             // SAFETY: lengths validated; path support is the caller's contract.
-            unsafe { P::update::<_, _, $ams>(&consts, param, $g, $m, $v, $x, &mut out) }
+            unsafe { P::update::<_, _, $ams>(&consts, param, $g, $m, $v, $x, &mut out, next) }
         };
     }
     macro_rules! by_state {
@@ -723,18 +749,90 @@ fn run_reference(s: Segment<'_>) {
     }
 }
 
-/// Runs one validated segment on `simd`, on the calling thread.
-fn run_segment(simd: Simd, s: Segment<'_>) {
+/// Runs one validated segment on `simd`, on the calling thread; `next` is what this thread
+/// will update after it.
+fn run_segment(simd: Simd, s: Segment<'_>, next: &Lookahead) {
     match simd {
         Simd::Scalar => run_reference(s),
         // SAFETY (all arms): `check_simd` verified that this CPU runs `simd` before any segment.
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { run_path::<Avx2Path>(s) },
+        Simd::Avx2 => unsafe { run_path::<Avx2Path>(s, next) },
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => unsafe { run_path::<Avx512Path>(s) },
+        Simd::Avx512 => unsafe { run_path::<Avx512Path>(s, next) },
         #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Bf16 => unsafe { run_path::<Avx512Bf16Path>(s) },
-        _ => unsafe { run_path::<GenericPath>(s) },
+        Simd::Avx512Bf16 => unsafe { run_path::<Avx512Bf16Path>(s, next) },
+        _ => unsafe { run_path::<GenericPath>(s, next) },
+    }
+}
+
+/// Addresses of the next segment's streams, only ever prefetched (never dereferenced).
+#[derive(Default)]
+pub struct Lookahead {
+    /// (start address, bytes per block) of each stream.
+    streams: [(usize, usize); 6],
+    count: usize,
+}
+
+impl Lookahead {
+    fn of(s: Option<&Segment<'_>>) -> Lookahead {
+        let mut l = Lookahead::default();
+        let Some(s) = s else { return l };
+        let mut add = |addr: usize, elem: usize| {
+            l.streams[l.count] = (addr, elem * LANES);
+            l.count += 1;
+        };
+        add(s.param.as_ptr() as usize, 4);
+        match &s.grad {
+            GradRef::F32(x) => add(x.as_ptr() as usize, 4),
+            GradRef::Bf16(x) => add(x.as_ptr() as usize, 2),
+            GradRef::F16(x) => add(x.as_ptr() as usize, 2),
+        }
+        let mut state = |x: &StateMut<'_>| match x {
+            StateMut::F32(x) => add(x.as_ptr() as usize, 4),
+            StateMut::Bf16(x) => add(x.as_ptr() as usize, 2),
+        };
+        state(&s.exp_avg);
+        state(&s.exp_avg_sq);
+        if let Some(x) = &s.max_exp_avg_sq {
+            state(x);
+        }
+        l
+    }
+
+    /// Prefetches block `b` of every stream (past the segment's end is harmless: a hint).
+    #[inline(always)]
+    fn prefetch<I: Isa>(&self, b: usize) {
+        for &(addr, bytes) in &self.streams[..self.count] {
+            I::prefetch(addr.wrapping_add(b * bytes) as *const u8);
+        }
+    }
+}
+
+/// Consecutive chunks run by one thread, in order, so that the end of one prefetches the start
+/// of the next: tensors smaller than the prefetch distance would otherwise always start cold.
+fn tasks<'a>(chunks: Vec<Segment<'a>>) -> Vec<Vec<Segment<'a>>> {
+    let mut tasks = Vec::new();
+    let mut cur = Vec::new();
+    let mut len = 0;
+    for c in chunks {
+        len += c.len();
+        cur.push(c);
+        if len >= CHUNK {
+            tasks.push(std::mem::take(&mut cur));
+            len = 0;
+        }
+    }
+    if !cur.is_empty() {
+        tasks.push(cur);
+    }
+    tasks
+}
+
+fn run_task(simd: Simd, task: Vec<Segment<'_>>) {
+    let mut it = task.into_iter().peekable();
+    while let Some(s) = it.next() {
+        let next = Lookahead::of(it.peek());
+        run_segment(simd, s, &next);
     }
 }
 
@@ -767,7 +865,7 @@ pub fn adam_step(simd: Simd, pool: Pool<'_>, segments: Vec<Segment<'_>>) -> Resu
     for s in segments {
         s.chunks(CHUNK, &mut chunks);
     }
-    for_each(pool, chunks, |c| run_segment(simd, c));
+    for_each(pool, tasks(chunks), |t| run_task(simd, t));
     Ok(())
 }
 

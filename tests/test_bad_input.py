@@ -1,0 +1,211 @@
+"""Bad input: a clear exception, raised before anything changes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from helpers import clone_params, make_params
+
+from offload_adam import Adam, AdamW
+
+
+def snapshot(opt: torch.optim.Optimizer, ps: list[torch.Tensor]) -> Any:
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in opt.state.items()}
+    return [p.detach().clone() for p in ps], state, copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
+
+
+def assert_unchanged(opt: torch.optim.Optimizer, ps: list[torch.Tensor], snap: Any) -> None:
+    weights, state, groups = snap
+    for p, w in zip(ps, weights):
+        assert torch.equal(p.detach(), w)
+    assert set(state) == {id(p) for p in opt.state}
+    for p, s in opt.state.items():
+        for k, v in s.items():
+            assert torch.equal(v, state[id(p)][k]), k
+    assert groups == [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def stepped(n: int = 3, **kw: Any) -> tuple[AdamW, list[torch.nn.Parameter]]:
+    ps = make_params()
+    opt = AdamW([{"params": ps[:3]}, {"params": ps[3:], "lr": 1e-2}], **kw)
+    for _ in range(n):
+        for p in ps:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+    return opt, ps
+
+
+def test_non_leaf_tensor() -> None:
+    a = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="can't optimize a non-leaf Tensor"):
+        AdamW([a * 2])
+
+
+def test_parameter_in_two_groups() -> None:
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        AdamW([{"params": [p]}, {"params": [p]}])
+    opt = AdamW([p])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": [p]})
+    assert len(opt.param_groups) == 1
+
+
+def test_empty_parameter_list() -> None:
+    with pytest.raises(ValueError, match="empty parameter list"):
+        AdamW([])
+
+
+def test_bad_group_hyperparameters_leave_the_optimizer_as_it_was() -> None:
+    opt, ps = stepped()
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "lr": -1.0})
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))], "betas": (0.9, 1.5)})
+    assert len(opt.param_groups) == 2 and len(opt._sets) == 2
+    # a group edited to an invalid value after construction: refused at the step, nothing moved
+    snap = snapshot(opt, ps)
+    opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="param group 1: Invalid learning rate"):
+        opt.step()
+    opt.param_groups[1]["lr"] = 1e-2
+    assert_unchanged(opt, ps, snap)
+
+
+def test_unsupported_dtypes_and_layouts_are_refused_at_construction() -> None:
+    with pytest.raises(TypeError, match="dtype torch.float64 is not supported"):
+        AdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.float64))])
+    with pytest.raises(TypeError, match="dtype torch.complex128 is not supported"):
+        AdamW([torch.nn.Parameter(torch.randn(3, dtype=torch.complex128))])
+    with pytest.raises(TypeError, match="layout"):
+        AdamW([torch.nn.Parameter(torch.randn(3, 3).to_sparse())])
+    base = torch.randn(10)
+    with pytest.raises(ValueError, match="share memory"):
+        AdamW([torch.nn.Parameter(base[:6]), torch.nn.Parameter(base[4:])])
+    a = torch.nn.Parameter(base[:5])
+    opt = AdamW([a])
+    with pytest.raises(ValueError, match="share memory"):
+        opt.add_param_group({"params": [torch.nn.Parameter(base[3:8])]})
+    assert len(opt.param_groups) == 1
+
+
+def test_sparse_gradients() -> None:
+    opt, ps = stepped()
+    snap = snapshot(opt, ps)
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    ps[4].grad = torch.zeros(ps[4].shape).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt2 = Adam(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="sparse gradients"):
+        opt2.step()
+
+
+def test_replaced_parameters_are_never_touched() -> None:
+    model = torch.nn.Linear(4, 3)
+    opt = AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    model.double()
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    w = model.weight.detach().clone()
+    with pytest.raises(RuntimeError, match="storage was replaced.*float64"):
+        opt.step()
+    assert torch.equal(model.weight.detach(), w)
+
+    p = torch.nn.Parameter(torch.randn(5))
+    opt = AdamW([p])
+    p.data = torch.randn(5)
+    p.grad = torch.ones(5)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match="storage was replaced"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and len(opt.state) == 0
+
+
+def test_a_failed_step_changes_nothing() -> None:
+    opt, ps = stepped()
+    snap = snapshot(opt, ps)
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    ps[-1].grad = torch.randn(33, 64).t()  # the last parameter of the last group: not contiguous
+    with pytest.raises(ValueError, match="layout differs"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+    ps[-1].grad = torch.randn(ps[-1].shape)
+    ps[2].grad.data = torch.randn(7)  # a gradient resized behind autograd's back
+    with pytest.raises(ValueError, match="gradient has 7 elements"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+    ps[2].grad = torch.randn(ps[2].shape)
+    ps[1].grad.data = ps[5].detach()[0, :1]  # a gradient that is another parameter's memory
+    with pytest.raises(ValueError, match="shares memory"):
+        opt.step()
+    assert_unchanged(opt, ps, snap)
+
+
+def test_nan_and_inf_gradients_propagate_as_in_torch() -> None:
+    ps = make_params()
+    qs = clone_params(ps)
+    ours = AdamW(ps, lr=1e-3)
+    ref = torch.optim.AdamW(qs, lr=1e-3, foreach=False)
+    for p, q in zip(ps, qs):
+        g = torch.randn(p.shape)
+        if g.numel() > 3:
+            g.view(-1)[0] = float("nan")
+            g.view(-1)[1] = float("inf")
+        p.grad, q.grad = g, g.clone()
+    ours.step()
+    ref.step()
+    for p, q in zip(ps, qs):
+        assert torch.equal(p.isnan(), q.isnan())
+        ok = ~q.isnan()
+        torch.testing.assert_close(p[ok], q[ok], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda sd: sd["param_groups"].append(copy.deepcopy(sd["param_groups"][0])), "different number of parameter groups"),
+        (lambda sd: sd["param_groups"][0]["params"].pop(), "doesn't match the size"),
+        (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(2, 2)), "exp_avg has shape"),
+        (lambda sd: sd["state"][1].pop("exp_avg_sq"), "missing key 'exp_avg_sq'"),
+        (lambda sd: sd["state"][0].update(step=torch.tensor(-1.0)), "step must be a whole number"),
+        (lambda sd: sd.pop("state"), "no 'state' key"),
+        (lambda sd: sd["state"].update({99: sd["state"][0]}), "state for parameter 99"),
+        (lambda sd: sd["param_groups"][1].update(lr=-1.0), "Invalid learning rate"),
+        (lambda sd: sd["state"][0].update(exp_avg=torch.zeros(7, 13, dtype=torch.int64)), "dtype torch.int64"),
+    ],
+)
+def test_bad_state_dicts_are_refused_and_change_nothing(mutate: Any, msg: str) -> None:
+    opt, ps = stepped()
+    sd = copy.deepcopy(opt.state_dict())
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    snap = snapshot(opt, ps)
+    mutate(sd)
+    with pytest.raises((ValueError, TypeError), match=msg):
+        opt.load_state_dict(sd)
+    assert_unchanged(opt, ps, snap)
+
+
+def test_amsgrad_checkpoint_needs_its_maximum() -> None:
+    opt, ps = stepped(amsgrad=True)
+    sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][0]["max_exp_avg_sq"]
+    with pytest.raises(ValueError, match="missing key 'max_exp_avg_sq'"):
+        opt.load_state_dict(sd)
+
+
+@pytest.mark.cuda
+def test_cuda_parameters_are_refused_until_offload_lands() -> None:
+    with pytest.raises(ValueError, match="is on cuda"):
+        AdamW([torch.nn.Parameter(torch.randn(3, device="cuda"))])

@@ -1,0 +1,200 @@
+"""The native kernel and its DLPack bindings, through ``offload_adam._native``."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.dlpack import to_dlpack
+
+import offload_adam
+from offload_adam import _native
+
+PATHS = offload_adam.simd_paths()
+FAST = [p for p in PATHS if p != "scalar"]
+LENGTHS = [0, 1, 15, 16, 17, 31, 33, 1000, _native.CHUNK + 3]
+
+
+def buffers(n: int, gdtype: torch.dtype = torch.float32, sdtype: torch.dtype = torch.float32, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=g)
+    grad = (torch.randn(n, generator=g) * 0.1).to(gdtype)
+    m = (torch.randn(n, generator=g) * 0.01).to(sdtype)
+    v = (torch.rand(n, generator=g) * 1e-4).to(sdtype)
+    x = (v.float() + torch.rand(n, generator=g) * 1e-4).to(sdtype)
+    return p, grad, m, v, x
+
+
+def torch_reference(p, grad, m, v, x, step, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8, wd=0.01, amsgrad=True):
+    """torch's single-tensor AdamW, on copies."""
+    p, m, v, x = p.clone(), m.clone().float(), v.clone().float(), x.clone().float()
+    g = grad.float()
+    p.mul_(1 - lr * wd)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    bc1, bc2 = 1 - b1**step, 1 - b2**step
+    if amsgrad:
+        torch.maximum(x, v, out=x)
+        denom = (x.sqrt() / bc2**0.5).add_(eps)
+    else:
+        denom = (v.sqrt() / bc2**0.5).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / bc1)
+    return p, m, v, x
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("n", LENGTHS)
+def test_every_path_matches_torch_for_any_length(path: str, n: int) -> None:
+    p, g, m, v, x = buffers(n, seed=n)
+    rp, rm, rv, rx = torch_reference(p, g, m, v, x, step=3)
+    _native.adam_update(p, g, m, v, x, step=3, weight_decay=0.01, amsgrad=True, simd=path)
+    torch.testing.assert_close(p, rp, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(m, rm, rtol=1e-5, atol=1e-9)
+    torch.testing.assert_close(v, rv, rtol=1e-5, atol=1e-12)
+    torch.testing.assert_close(x, rx, rtol=1e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("path", FAST)
+@pytest.mark.parametrize("gdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16])
+def test_fast_paths_match_the_scalar_reference(path: str, gdtype, sdtype, out_dtype) -> None:
+    """Every dtype combination of every fast path against the scalar reference path."""
+    n = 1000 + 7
+    results = []
+    for s in ("scalar", path):
+        p, g, m, v, x = buffers(n, gdtype, sdtype, seed=1)
+        out = None if out_dtype is None else p.to(out_dtype)
+        for step in (1, 2, 3):
+            _native.adam_update(p, g, m, v, x, out, step=step, weight_decay=0.1, amsgrad=True, simd=s)
+        results.append((p, m.float(), v.float(), x.float(), None if out is None else out.float()))
+    (p0, m0, v0, x0, o0), (p1, m1, v1, x1, o1) = results
+    torch.testing.assert_close(p1, p0, rtol=1e-5, atol=1e-6)
+    # Values rounded to bf16 may land one bf16 unit apart (2^-8 relative).
+    low = sdtype == torch.bfloat16
+    torch.testing.assert_close(m1, m0, rtol=8e-3 if low else 1e-5, atol=1e-9)
+    torch.testing.assert_close(v1, v0, rtol=8e-3 if low else 1e-5, atol=1e-12)
+    torch.testing.assert_close(x1, x0, rtol=8e-3 if low else 1e-5, atol=1e-12)
+    if o0 is not None:
+        torch.testing.assert_close(o1, o0, rtol=8e-3, atol=1e-6)
+        # the copy is the master rounded to the copy's dtype
+        torch.testing.assert_close(o1, p1.to(out_dtype).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_nan_and_inf_propagate_like_torch(path: str) -> None:
+    p, g, m, v, x = buffers(50)
+    g[3], g[20], g[49] = float("nan"), float("inf"), float("-inf")
+    x[7] = float("nan")
+    rp, rm, rv, rx = torch_reference(p, g, m, v, x, step=1)
+    _native.adam_update(p, g, m, v, x, step=1, weight_decay=0.01, amsgrad=True, simd=path)
+    for got, want in ((p, rp), (m, rm), (v, rv), (x, rx)):
+        assert torch.equal(got.isnan(), want.isnan())
+        assert torch.equal(got.isinf(), want.isinf())
+        ok = ~(want.isnan() | want.isinf())
+        torch.testing.assert_close(got[ok], want[ok], rtol=1e-5, atol=1e-7)
+
+
+def test_bitwise_identical_for_any_thread_count() -> None:
+    n = 3 * _native.CHUNK + 5
+    outs = []
+    for threads in (1, 2, 3, 4):
+        p, g, m, v, x = buffers(n, seed=9)
+        _native.adam_update(p, g, m, v, x, step=5, amsgrad=True, num_threads=threads)
+        outs.append((p, m, v, x))
+    for o in outs[1:]:
+        for a, b in zip(outs[0], o):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_norm_and_nonfinite_passes(path: str) -> None:
+    ts = [torch.randn(_native.CHUNK * 2 + 9), torch.randn(17).bfloat16(), torch.randn(0), torch.randn(33).half()]
+    want = sum(float(t.double().pow(2).sum()) for t in ts)
+    got = _native.grad_sq_norm(ts, simd=path)
+    assert abs(got - want) <= 1e-12 * want
+    assert _native.grad_sq_norm(ts, simd=path, num_threads=2) == got == _native.grad_sq_norm(ts, simd=path, num_threads=3)
+    assert not _native.grads_nonfinite(ts, simd=path)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for k in (0, 1, 3):
+            ts2 = [t.clone() for t in ts]
+            ts2[k][-1] = bad
+            assert _native.grads_nonfinite(ts2, simd=path, num_threads=2)
+            assert not np.isfinite(_native.grad_sq_norm(ts2, simd=path))
+
+
+def test_legacy_and_versioned_capsules_are_imported_in_place() -> None:
+    p, g, m, v, _ = buffers(100)
+    before = p.clone()
+    # legacy "dltensor" capsules (torch.utils.dlpack.to_dlpack) for the state buffers
+    _native.adam_update(p, g, to_dlpack(m), to_dlpack(v), step=1)
+    assert not torch.equal(p, before)
+    assert m.abs().sum() > 0  # written in place through the legacy capsule
+    cap = to_dlpack(m)
+    _native.grad_sq_norm([cap])
+    with pytest.raises(ValueError, match="already consumed"):
+        _native.grad_sq_norm([cap])
+
+
+def test_other_dlpack_producers_and_read_only_buffers() -> None:
+    a = np.ones(16, dtype=np.float32)
+    assert _native.grad_sq_norm([a]) == 16.0
+    p, g, m, v, _ = buffers(16)
+    ro = np.zeros(16, dtype=np.float32)
+    ro.flags.writeable = False
+    try:
+        ro.__dlpack__(max_version=(1, 0))
+    except (TypeError, BufferError):
+        pytest.skip("this numpy cannot export read-only arrays through DLPack 1.0")
+    with pytest.raises(ValueError, match="exp_avg: is read-only"):
+        _native.adam_update(p, g, ro, v, step=1)
+
+
+def test_bad_buffers_are_named_and_refused() -> None:
+    p, g, m, v, _ = buffers(64)
+    with pytest.raises(TypeError, match="param: dtype must be float32, got bfloat16"):
+        _native.adam_update(p.bfloat16(), g, m, v, step=1)
+    with pytest.raises(TypeError, match="grad: dtype must be float32, bfloat16 or float16, got float64"):
+        _native.adam_update(p, g.double(), m, v, step=1)
+    with pytest.raises(ValueError, match="exp_avg: must be dense"):
+        _native.adam_update(p, g, torch.zeros(128)[::2], v, step=1)
+    with pytest.raises(ValueError, match="exp_avg_sq: has 63 elements"):
+        _native.adam_update(p, g, m, v[:63], step=1)
+    with pytest.raises(ValueError, match="share memory"):
+        _native.adam_update(p, g, p, v, step=1)
+    with pytest.raises(ValueError, match="grad: shares memory"):
+        _native.adam_update(p, v, m, v, step=1)
+    with pytest.raises(ValueError, match="max_exp_avg_sq: required"):
+        _native.adam_update(p, g, m, v, step=1, amsgrad=True)
+    with pytest.raises(ValueError, match="beta parameter at index 0"):
+        _native.adam_update(p, g, m, v, step=1, betas=(1.0, 0.9))
+    with pytest.raises(ValueError, match="simd"):
+        _native.adam_update(p, g, m, v, step=1, simd="sse9")
+    with pytest.raises(ValueError, match="num_threads"):
+        _native.adam_update(p, g, m, v, step=1, num_threads=0)
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        _native.grad_sq_norm([[1.0, 2.0]])
+    before = [t.clone() for t in (p, m, v)]
+    with pytest.raises(ValueError):
+        _native.adam_update(p, g, m, v[:10], step=1)
+    for a, b in zip(before, (p, m, v)):
+        assert torch.equal(a, b)
+
+
+def test_param_set_keeps_its_buffers_alive() -> None:
+    ps = [torch.nn.Parameter(torch.randn(100))]
+    opt = offload_adam.AdamW(ps, lr=0.1)
+    bufs = opt._buffers[0]
+    addr = bufs.exp_avg.data_ptr()
+    # Drop every Python reference to the flat buffers: the ParamSet's DLPack imports hold them.
+    opt._buffers[0] = None  # type: ignore[call-overload]
+    del bufs
+    gc.collect()
+    junk = [torch.full((100,), 7.0) for _ in range(50)]  # would reuse freed memory
+    ps[0].grad = torch.ones(100)
+    opt._buffers[0] = type("B", (), {"max_exp_avg_sq": None})()  # type: ignore[call-overload]
+    _native.adam_step(opt._sets, opt.param_groups, num_threads=1)
+    assert all(float(j.sum()) == 700.0 for j in junk)
+    assert addr != 0 and ps[0].detach().abs().max() < 10

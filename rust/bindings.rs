@@ -91,6 +91,9 @@ struct Entry {
     strides: Option<Vec<i64>>,
 }
 
+/// A gradient checked by an earlier step: a weak reference to it, and what was found.
+type CachedGrad = (Py<PyWeakrefReference>, GradInfo);
+
 /// The parameters of one param group, with their flat state buffers.
 #[pyclass(module = "offload_adam._native", frozen)]
 pub struct ParamSet {
@@ -104,7 +107,7 @@ pub struct ParamSet {
     writable: Vec<(usize, usize)>,
     /// Held while a step runs: two concurrent steps on one set would race. It guards the
     /// gradient cache: per parameter, a weak reference to the gradient checked last step.
-    busy: Mutex<Vec<Option<(Py<PyWeakrefReference>, GradInfo)>>>,
+    busy: Mutex<Vec<Option<CachedGrad>>>,
 }
 
 impl ParamSet {
@@ -357,7 +360,7 @@ fn grad_info(e: &Entry, g: &Bound<'_, PyAny>, t: &Torch) -> PyResult<GradInfo> {
         )));
     }
     let ptr: usize = g.call_method0(intern!(py, "data_ptr"))?.extract()?;
-    if numel > 0 && ptr % dtype.size() != 0 {
+    if numel > 0 && !ptr.is_multiple_of(dtype.size()) {
         return Err(PyValueError::new_err(format!("{name}: gradient data is not aligned to its elements")));
     }
     Ok(GradInfo { ptr, dtype })

@@ -264,7 +264,7 @@ impl Import {
                 import.shape, import.strides
             )));
         }
-        if import.len > 0 && (import.ptr as usize) % import.dtype.size() != 0 {
+        if import.len > 0 && !(import.ptr as usize).is_multiple_of(import.dtype.size()) {
             return Err(PyValueError::new_err(format!(
                 "{name}: data pointer {:#x} is not aligned to its {}-byte elements",
                 import.ptr as usize,
@@ -329,7 +329,7 @@ pub fn is_contiguous(shape: &[i64], strides: &[i64]) -> bool {
 /// Non-overlapping and dense: the elements fill exactly `numel` consecutive slots, in some order
 /// of the dimensions (torch's `is_non_overlapping_and_dense`).
 pub fn is_dense(shape: &[i64], strides: &[i64]) -> bool {
-    if shape.iter().any(|&n| n == 0) {
+    if shape.contains(&0) {
         return true;
     }
     let mut dims: Vec<(i64, i64)> =

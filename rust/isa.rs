@@ -135,18 +135,26 @@ pub unsafe trait Isa: Copy + Send + Sync + 'static {
     /// Hints that the cache line at `p` will be read soon. Never faults (any address is fine).
     #[inline(always)]
     fn prefetch(_p: *const u8) {}
+    /// # Safety
+    /// The CPU supports the path (trait contract).
     #[inline(always)]
     unsafe fn bf16_load(src: &[u16; LANES]) -> Block {
         src.map(bf16_to_f32)
     }
+    /// # Safety
+    /// The CPU supports the path (trait contract).
     #[inline(always)]
     unsafe fn bf16_store(x: &Block) -> [u16; LANES] {
         x.map(f32_to_bf16)
     }
+    /// # Safety
+    /// The CPU supports the path (trait contract).
     #[inline(always)]
     unsafe fn f16_load(src: &[u16; LANES]) -> Block {
         src.map(f16_to_f32)
     }
+    /// # Safety
+    /// The CPU supports the path (trait contract).
     #[inline(always)]
     unsafe fn f16_store(x: &Block) -> [u16; LANES] {
         x.map(f32_to_f16)

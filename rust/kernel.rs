@@ -188,7 +188,8 @@ impl<'a> StateMut<'a> {
 }
 
 impl OutMut<'_> {
-    pub fn len(&self) -> Option<usize> {
+    /// Length of the copy, if there is one.
+    pub fn len_if_any(&self) -> Option<usize> {
         match self {
             OutMut::None => None,
             OutMut::Bf16(s) => Some(s.len()),
@@ -262,7 +263,7 @@ impl<'a> Segment<'a> {
             (None, true) => return Err("amsgrad needs max_exp_avg_sq".into()),
             (None, false) => {}
         }
-        if let Some(len) = self.out.len() {
+        if let Some(len) = self.out.len_if_any() {
             check("the low-precision weight copy", len)?;
         }
         Ok(())
@@ -330,7 +331,7 @@ pub mod reference {
             }
             let mut grad = g[i].to_f32() * c.gscale;
             if c.use_l2 {
-                grad = grad + c.l2 * p[i];
+                grad += c.l2 * p[i];
             }
             let param = p[i] * c.decay;
             let mut ea = m[i].to_f32();
@@ -1117,7 +1118,7 @@ mod tests {
             let gb: Vec<Bf16> = src.g.iter().map(|&x| Bf16::from_f32(x)).collect();
             let gh: Vec<F16> = src.g.iter().map(|&x| F16::from_f32(x)).collect();
             let grads = [GradRef::Bf16(&gb), GradRef::F16(&gh), GradRef::F32(&src.g)];
-            for gi in 0..3 {
+            for (gi, grad) in grads.iter().enumerate() {
                 for bf16_state in [false, true] {
                     for out_kind in 0..3 {
                         let mut results = Vec::new();
@@ -1134,7 +1135,7 @@ mod tests {
                             let mut ob: Vec<Bf16> = src.p.iter().map(|&x| Bf16::from_f32(x * 0.5)).collect();
                             let mut oh: Vec<F16> = src.p.iter().map(|&x| F16::from_f32(x * 0.5)).collect();
                             for t in 1..=3 {
-                                let g = match &grads[gi] {
+                                let g = match grad {
                                     GradRef::F32(x) => GradRef::F32(x),
                                     GradRef::Bf16(x) => GradRef::Bf16(x),
                                     GradRef::F16(x) => GradRef::F16(x),

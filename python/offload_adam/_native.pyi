@@ -5,6 +5,18 @@ from typing import Any, final
 
 from torch import Tensor
 
+__all__ = [
+    "CHUNK",
+    "LANES",
+    "ParamSet",
+    "adam_step",
+    "adam_update",
+    "grad_sq_norm",
+    "grads_nonfinite",
+    "simd_path",
+    "simd_paths",
+]
+
 CHUNK: int
 LANES: int
 
@@ -49,7 +61,7 @@ def adam_update(
     *,
     step: int,
     lr: float = 1e-3,
-    betas: tuple[float, float] = (0.9, 0.999),
+    betas: tuple[float, float] = ...,  # (0.9, 0.999)
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     decoupled: bool = True,

@@ -24,12 +24,13 @@ from . import _native
 from .optimizer import AdamW
 
 BYTES_PER_PARAM = 28
+Shapes = list[tuple[int, ...]]
 
 
-def gpt2_small_shapes() -> list[tuple[int, ...]]:
+def gpt2_small_shapes() -> Shapes:
     """The 148 parameter tensors of GPT-2 small (124M parameters)."""
     d, vocab, ctx, layers = 768, 50257, 1024, 12
-    shapes: list[tuple[int, ...]] = [(vocab, d), (ctx, d)]
+    shapes: Shapes = [(vocab, d), (ctx, d)]
     for _ in range(layers):
         shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,), (d, 4 * d), (4 * d,), (4 * d, d), (d,)]
     shapes += [(d,), (d,)]
@@ -43,7 +44,7 @@ class Contender:
     times: list[float] = field(default_factory=list)
 
 
-def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) -> list[torch.Tensor]:
+def _params(shapes: Shapes, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
     ps = []
     for s in shapes:
@@ -53,17 +54,17 @@ def _params(shapes: list[tuple[int, ...]], dtype: torch.dtype, seed: int = 0) ->
     return ps
 
 
-def _torch_opt(shapes: list[tuple[int, ...]], **kw: object) -> Callable[[], None]:
+def _torch_opt(shapes: Shapes, **kw: object) -> Callable[[], None]:
     opt = torch.optim.AdamW(_params(shapes, torch.float32), lr=1e-4, **kw)  # type: ignore[arg-type]
     return opt.step  # type: ignore[return-value]
 
 
-def _ours(shapes: list[tuple[int, ...]], dtype: torch.dtype, threads: int) -> Callable[[], None]:
+def _ours(shapes: Shapes, dtype: torch.dtype, threads: int) -> Callable[[], None]:
     opt = AdamW(_params(shapes, dtype), lr=1e-4, num_threads=threads)
     return opt.step  # type: ignore[return-value]
 
 
-def _torch_bf16_sequence(shapes: list[tuple[int, ...]]) -> Callable[[], None]:
+def _torch_bf16_sequence(shapes: Shapes) -> Callable[[], None]:
     """The best plain-torch way to keep fp32 masters for bf16 params: preallocated fp32 grads
     filled with ``_foreach_copy_``, a fused fp32 step, ``_foreach_copy_`` back to bf16."""
     model = _params(shapes, torch.bfloat16)
@@ -73,7 +74,7 @@ def _torch_bf16_sequence(shapes: list[tuple[int, ...]]) -> Callable[[], None]:
         m.grad = g
     opt = torch.optim.AdamW(masters, lr=1e-4, fused=True)
     model_data = [p.detach() for p in model]
-    model_grads = [p.grad for p in model]
+    model_grads = [p.grad for p in model if p.grad is not None]
 
     def step() -> None:
         torch._foreach_copy_(grads32, model_grads)
@@ -133,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     gpt2 = gpt2_small_shapes()
     if s != 1.0:
         gpt2 = [tuple(max(1, int(d * s)) if i == 0 else d for i, d in enumerate(sh)) for sh in gpt2]
-    big = [(int(100_000_000 * s),)]
-    many = [(10_000,)] * max(1, int(4000 * s))
+    big: Shapes = [(int(100_000_000 * s),)]
+    many: Shapes = [(10_000,)] * max(1, int(4000 * s))
     n = lambda shapes: sum(torch.Size(sh).numel() for sh in shapes)  # noqa: E731
     results = []
     for case in args.cases.split(","):

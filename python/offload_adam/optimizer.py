@@ -218,10 +218,8 @@ class Adam(Optimizer):
             # torch warned already; it would step such a parameter twice, we step it once.
             group["params"] = unique
             if "param_names" in group:
-                seen: set[int] = set()
-                group["param_names"] = [
-                    n for p, n in zip(params, group["param_names"]) if not (id(p) in seen or seen.add(id(p)))
-                ]
+                names = dict(zip(map(id, reversed(params)), reversed(group["param_names"])))
+                group["param_names"] = [names[id(p)] for p in unique]
         for i, p in enumerate(group["params"]):
             name = self._name(group, gi, i)
             if p.layout != torch.strided:

@@ -1,0 +1,44 @@
+# The two set-up-and-run commands of the README:
+#   make demo   creates .venv, builds and installs offload_adam (release), runs the main job
+#   make test   same set-up, then cargo test and pytest
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+DEPS   := $(VENV)/.deps-installed
+
+.PHONY: demo test install bench asv wheel lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS): requirements-dev.txt | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -r requirements-dev.txt
+	touch $@
+
+# cargo decides what to rebuild, so this is quick when nothing changed.
+install: $(DEPS)
+	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --quiet
+
+demo: install
+	$(BIN)/python examples/train_gpt.py
+
+test: install
+	cargo test --quiet
+	$(BIN)/python -m pytest -q
+
+bench: install
+	$(BIN)/python -m offload_adam bench
+
+asv: install
+	cd asv_bench && ../$(BIN)/asv machine --yes >/dev/null && ../$(BIN)/asv run --python=same --quick
+
+wheel: $(DEPS)
+	$(BIN)/maturin build --release --out dist
+
+lint: install
+	$(BIN)/python -m mypy python/offload_adam
+	cargo clippy --features python -- -D warnings
+
+clean:
+	rm -rf $(VENV) target dist asv_bench/.asv

@@ -1,0 +1,104 @@
+"""asv suite: time and peak memory of one optimizer step, over size, dtype and threads, with
+torch's fused AdamW as the reference benchmark, and the bare kernel on every SIMD path.
+
+Run against the installed package: ``cd asv_bench && asv run --python=same --quick``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import offload_adam
+from offload_adam import _native
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _params(numel: int, dtype: torch.dtype, tensors: int = 8) -> list[torch.nn.Parameter]:
+    n = numel // tensors
+    ps = []
+    for _ in range(tensors):
+        p = torch.nn.Parameter(torch.randn(n).to(dtype))
+        p.grad = (torch.randn(n) * 1e-2).to(dtype)
+        ps.append(p)
+    return ps
+
+
+class OptimizerStep:
+    """``offload_adam.AdamW.step()`` on 8 tensors."""
+
+    params = ([1_000_000, 16_000_000], list(DTYPES), [1, 2])
+    param_names = ["numel", "dtype", "threads"]
+    timeout = 300
+
+    def setup(self, numel: int, dtype: str, threads: int) -> None:
+        self.opt = offload_adam.AdamW(_params(numel, DTYPES[dtype]), lr=1e-4, num_threads=threads)
+        self.opt.step()
+
+    def time_step(self, numel: int, dtype: str, threads: int) -> None:
+        self.opt.step()
+
+    def peakmem_step(self, numel: int, dtype: str, threads: int) -> None:
+        self.opt.step()
+
+
+class TorchFusedStep:
+    """Reference: ``torch.optim.AdamW(fused=True).step()`` on the same tensors."""
+
+    params = ([1_000_000, 16_000_000], list(DTYPES), [1, 2])
+    param_names = ["numel", "dtype", "threads"]
+    timeout = 300
+
+    def setup(self, numel: int, dtype: str, threads: int) -> None:
+        torch.set_num_threads(threads)
+        self.opt = torch.optim.AdamW(_params(numel, DTYPES[dtype]), lr=1e-4, fused=True)
+        self.opt.step()
+
+    def teardown(self, numel: int, dtype: str, threads: int) -> None:
+        torch.set_num_threads(1)
+
+    def time_step(self, numel: int, dtype: str, threads: int) -> None:
+        self.opt.step()
+
+    def peakmem_step(self, numel: int, dtype: str, threads: int) -> None:
+        self.opt.step()
+
+
+class ManySmallTensors:
+    """1000 tensors of 10k elements: per-tensor overhead, ours against torch fused."""
+
+    params = (["offload_adam", "torch_fused"],)
+    param_names = ["optimizer"]
+
+    def setup(self, which: str) -> None:
+        ps = []
+        for _ in range(1000):
+            p = torch.nn.Parameter(torch.randn(10_000))
+            p.grad = torch.randn(10_000)
+            ps.append(p)
+        if which == "offload_adam":
+            self.opt: torch.optim.Optimizer = offload_adam.AdamW(ps, lr=1e-4)
+        else:
+            self.opt = torch.optim.AdamW(ps, lr=1e-4, fused=True)
+        self.opt.step()
+
+    def time_step(self, which: str) -> None:
+        self.opt.step()
+
+
+class Kernel:
+    """The bare kernel (``_native.adam_update``) on one flat buffer, per SIMD path."""
+
+    params = (offload_adam.simd_paths(), ["float32", "bfloat16"])
+    param_names = ["simd", "grad_dtype"]
+
+    def setup(self, simd: str, grad_dtype: str) -> None:
+        n = 4_000_000
+        self.bufs = (torch.randn(n), (torch.randn(n) * 1e-2).to(DTYPES[grad_dtype]), torch.zeros(n), torch.zeros(n))
+        self.simd = simd
+
+    def time_adam_update(self, simd: str, grad_dtype: str) -> None:
+        _native.adam_update(*self.bufs, step=1, simd=self.simd, num_threads=1)
+
+    def time_grad_sq_norm(self, simd: str, grad_dtype: str) -> None:
+        _native.grad_sq_norm([self.bufs[1]], simd=self.simd)

@@ -42,19 +42,19 @@ fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
     })
 }
 
-fn simd_or_default(simd: Option<&str>) -> PyResult<Simd> {
+pub(crate) fn simd_or_default(simd: Option<&str>) -> PyResult<Simd> {
     match simd {
         None => isa::default_simd().map_err(|e| PyValueError::new_err(format!("OFFLOAD_ADAM_SIMD: {e}"))),
         Some(s) => isa::resolve(s).map_err(|e| PyValueError::new_err(format!("simd: {e}"))),
     }
 }
 
-fn pool(num_threads: usize) -> PyResult<Option<std::sync::Arc<rayon::ThreadPool>>> {
+pub(crate) fn pool(num_threads: usize) -> PyResult<Option<std::sync::Arc<rayon::ThreadPool>>> {
     crate::pool::get(num_threads).map_err(|e| PyValueError::new_err(format!("num_threads: {e}")))
 }
 
 /// Sorted, pairwise disjoint byte ranges; errors name the two owners.
-fn check_disjoint(mut ranges: Vec<(usize, usize, String)>) -> PyResult<Vec<(usize, usize)>> {
+pub(crate) fn check_disjoint(mut ranges: Vec<(usize, usize, String)>) -> PyResult<Vec<(usize, usize)>> {
     ranges.retain(|r| r.1 > r.0);
     ranges.sort_by_key(|r| r.0);
     for w in ranges.windows(2) {
@@ -69,7 +69,7 @@ fn check_disjoint(mut ranges: Vec<(usize, usize, String)>) -> PyResult<Vec<(usiz
 }
 
 /// Whether `[lo, hi)` meets any of the sorted disjoint `ranges`.
-fn overlaps(ranges: &[(usize, usize)], lo: usize, hi: usize) -> bool {
+pub(crate) fn overlaps(ranges: &[(usize, usize)], lo: usize, hi: usize) -> bool {
     let i = ranges.partition_point(|r| r.0 < hi);
     i > 0 && ranges[i - 1].1 > lo
 }
@@ -277,7 +277,7 @@ impl ParamSet {
 }
 
 /// The hyper-parameters of a torch param group.
-fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_correction: bool) -> PyResult<Hyper> {
+pub(crate) fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_correction: bool) -> PyResult<Hyper> {
     let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
         group
             .get_item(k)?
@@ -309,9 +309,9 @@ fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_correction:
 
 /// What a step learned about one parameter's gradient.
 #[derive(Clone, Copy)]
-struct GradInfo {
-    ptr: usize,
-    dtype: DType,
+pub(crate) struct GradInfo {
+    pub(crate) ptr: usize,
+    pub(crate) dtype: DType,
 }
 
 /// Checks `g` (the gradient of entry `e`) and returns where its elements are.
@@ -369,7 +369,7 @@ fn grad_info(e: &Entry, g: &Bound<'_, PyAny>, t: &Torch) -> PyResult<GradInfo> {
 /// # Safety
 /// `ptr` (plus `off` elements) points to `len` live, aligned elements of `T` that nothing else
 /// reads or writes for `'a`.
-unsafe fn slice_mut<'a, T>(ptr: *mut u8, off: usize, len: usize) -> &'a mut [T] {
+pub(crate) unsafe fn slice_mut<'a, T>(ptr: *mut u8, off: usize, len: usize) -> &'a mut [T] {
     if len == 0 {
         return &mut [];
     }
@@ -378,7 +378,7 @@ unsafe fn slice_mut<'a, T>(ptr: *mut u8, off: usize, len: usize) -> &'a mut [T] 
 
 /// # Safety
 /// `ptr` points to `len` live, aligned elements of `T` that nobody writes for `'a`.
-unsafe fn slice<'a, T>(ptr: usize, len: usize) -> &'a [T] {
+pub(crate) unsafe fn slice<'a, T>(ptr: usize, len: usize) -> &'a [T] {
     if len == 0 {
         return &[];
     }
@@ -387,7 +387,7 @@ unsafe fn slice<'a, T>(ptr: usize, len: usize) -> &'a [T] {
 
 /// # Safety
 /// As for [`slice_mut`], with the buffer's own dtype.
-unsafe fn state_mut<'a>(b: &Import, off: usize, len: usize) -> StateMut<'a> {
+pub(crate) unsafe fn state_mut<'a>(b: &Import, off: usize, len: usize) -> StateMut<'a> {
     unsafe {
         match b.dtype {
             DType::Bf16 => StateMut::Bf16(slice_mut::<Bf16>(b.ptr(), off, len)),
@@ -398,7 +398,7 @@ unsafe fn state_mut<'a>(b: &Import, off: usize, len: usize) -> StateMut<'a> {
 
 /// # Safety
 /// As for [`slice`].
-unsafe fn grad_ref<'a>(g: &GradInfo, len: usize) -> GradRef<'a> {
+pub(crate) unsafe fn grad_ref<'a>(g: &GradInfo, len: usize) -> GradRef<'a> {
     unsafe {
         match g.dtype {
             DType::F32 => GradRef::F32(slice(g.ptr, len)),
@@ -723,6 +723,9 @@ fn simd_paths() -> Vec<&'static str> {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ParamSet>()?;
+    m.add_class::<crate::hostset::HostSet>()?;
+    m.add_function(wrap_pyfunction!(crate::hostset::host_step, m)?)?;
+    m.add_function(wrap_pyfunction!(crate::hostset::grad_accumulate, m)?)?;
     m.add_function(wrap_pyfunction!(adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(adam_update, m)?)?;
     m.add_function(wrap_pyfunction!(grad_sq_norm, m)?)?;

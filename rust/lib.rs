@@ -14,3 +14,5 @@ pub mod pool;
 mod bindings;
 #[cfg(feature = "python")]
 mod dlpack;
+#[cfg(feature = "python")]
+mod hostset;

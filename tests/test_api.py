@@ -14,7 +14,7 @@ from helpers import SHAPES, assert_state_close, clone_params, deep, make_params,
 import offload_adam
 from offload_adam import Adam, AdamW
 
-EXTRAS = {"num_threads", "state_dtype", "offload", "bias_correction"}
+EXTRAS = {"num_threads", "state_dtype", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb"}
 
 
 @pytest.mark.parametrize("ours,ref", [(AdamW, torch.optim.AdamW), (Adam, torch.optim.Adam)])

@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _native
 from .optimizer import Adam, AdamW
+from .streaming import force_streaming as streaming_forced
 
 try:
     __version__ = version("offload-adam")
@@ -26,4 +27,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["Adam", "AdamW", "simd_path", "simd_paths", "__version__"]
+__all__ = ["Adam", "AdamW", "simd_path", "simd_paths", "streaming_forced", "__version__"]

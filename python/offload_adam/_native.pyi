@@ -8,11 +8,14 @@ from torch import Tensor
 __all__ = [
     "CHUNK",
     "LANES",
+    "HostSet",
     "ParamSet",
     "adam_step",
     "adam_update",
+    "grad_accumulate",
     "grad_sq_norm",
     "grads_nonfinite",
+    "host_step",
     "simd_path",
     "simd_paths",
 ]
@@ -42,6 +45,40 @@ class ParamSet:
     def __len__(self) -> int: ...
     def check_disjoint(self, others: Sequence[ParamSet]) -> None: ...
 
+@final
+class HostSet:
+    """The flat host buffers of one offloaded param group (masters, landing buffers, copies, moments)."""
+
+    def __new__(
+        cls,
+        state_offsets: Sequence[int],
+        lens: Sequence[int],
+        kinds: Sequence[int],
+        grad_offsets: Sequence[int],
+        master: Tensor,
+        exp_avg: Tensor,
+        exp_avg_sq: Tensor,
+        steps: Tensor,
+        grads: Sequence[Tensor | None],
+        outs: Sequence[Tensor | None],
+        max_exp_avg_sq: Tensor | None = None,
+    ) -> HostSet: ...
+    def set_max_exp_avg_sq(self, buf: Tensor) -> None: ...
+    @property
+    def has_max_exp_avg_sq(self) -> bool: ...
+    def __len__(self) -> int: ...
+
+def host_step(
+    set: HostSet,
+    group: dict[str, Any],
+    indices: Sequence[int],
+    *,
+    num_threads: int,
+    grad_scale: float = 1.0,
+    bias_correction: bool = True,
+    simd: str | None = None,
+) -> list[int]: ...
+def grad_accumulate(dst: Any, src: Any, *, num_threads: int = 1) -> None: ...
 def adam_step(
     sets: Sequence[ParamSet],
     groups: Sequence[dict[str, Any]],

@@ -19,12 +19,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import _native
+from .streaming import Streamer, force_streaming
 
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OFFLOAD_MODES = ("cpu",)
+_DEFAULT_BUCKET_BYTES = 32 << 20
 _ALIGN = _native.LANES  # state slots start on a SIMD block boundary
 _TENSOR_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
@@ -104,8 +106,17 @@ class Adam(Optimizer):
             Results are bitwise identical for any value.
         state_dtype: dtype of the moments, ``torch.float32`` (default) or ``torch.bfloat16``
             (half the memory; the update is computed in fp32 and rounded to nearest even).
-        offload: where the optimizer state lives: ``"cpu"`` (host memory, the default).
+        offload: where the optimizer state lives: ``"cpu"`` (host memory, the default). For CUDA
+            parameters this means: state in pinned host memory, gradients streamed to the host
+            during backward, weights streamed back after the CPU step (see the README).
         bias_correction: apply Adam's bias correction (default: True, as torch).
+        free_gradients: CUDA parameters only: free each GPU gradient once it is on the host, so
+            the GPU holds at most a window of buckets of gradients (default False: ``p.grad``
+            stays, as in torch, for code that reads or edits it between backward and step).
+        async_step: CUDA parameters only: ``step()`` returns at once; each module's forward waits
+            for the buckets of its own parameters. Read weights outside a forward (an EMA,
+            ``model.state_dict()``, ``p.cpu()``) only after ``optimizer.synchronize()``.
+        bucket_mb: size of a gradient transfer bucket, in MiB of gradient (default 32).
 
     Supported parameters: float32, bfloat16, float16 and complex64 tensors on the CPU, dense in
     memory. A bfloat16/float16 parameter gets an fp32 master copy (``state[p]["master_param"]``);
@@ -133,6 +144,9 @@ class Adam(Optimizer):
         state_dtype: torch.dtype = torch.float32,
         offload: str = "cpu",
         bias_correction: bool = True,
+        free_gradients: bool = False,
+        async_step: bool = False,
+        bucket_mb: float = 32,
     ) -> None:
         if isinstance(lr, Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
@@ -154,13 +168,22 @@ class Adam(Optimizer):
             num_threads = torch.get_num_threads()
         if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
             raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
+        if not bucket_mb > 0:
+            raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         _native.simd_path()  # raises now if OFFLOAD_ADAM_SIMD names a path this CPU lacks
         self._num_threads = num_threads
         self._state_dtype = state_dtype
         self._bias_correction = bool(bias_correction)
         self.offload = offload
-        self._sets: list[_native.ParamSet] = []
-        self._buffers: list[_Buffers] = []
+        self._free_gradients = bool(free_gradients)
+        self._async_step = bool(async_step)
+        self._bucket_bytes = int(bucket_mb * (1 << 20))
+        # Per param group: the native set of a CPU group (None for a streamed group).
+        self._sets: list[_native.ParamSet | None] = []
+        self._buffers: list[_Buffers | None] = []
+        self._streamer: Streamer | None = None
+        self._clip_coef = 1.0
+        self._step_supports_amp_scaling = True
         defaults = dict(
             lr=lr,
             betas=(b1, b2),
@@ -226,10 +249,45 @@ class Adam(Optimizer):
                 raise TypeError(f"{name}: layout {p.layout} is not supported, only dense (strided) tensors")
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{name}: dtype {p.dtype} is not supported (float32, bfloat16, float16, complex64)")
-            if p.device.type != "cpu":
-                raise ValueError(f"{name}: is on {p.device}; this optimizer takes CPU parameters")
+        devices = {p.device for p in group["params"]}
+        if len(devices) > 1:
+            raise ValueError(
+                f"param group {gi} mixes devices {sorted(map(str, devices))}: put CPU and CUDA parameters in separate groups"
+            )
+        dev = next(iter(devices), torch.device("cpu"))
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
+        if self._streams(group) and self._streamer is not None and self._streamer.device != self._stream_device(group):
+            raise ValueError(
+                f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
+                f"{self._streamer.device}; use one optimizer per GPU"
+            )
+
+    @staticmethod
+    def _streams(group: dict[str, Any]) -> bool:
+        """Whether a group is offloaded with gradient streaming (CUDA parameters, or the
+        ``OFFLOAD_ADAM_FORCE_STREAMING`` testing aid)."""
+        return force_streaming() or any(p.is_cuda for p in group["params"])
+
+    @staticmethod
+    def _stream_device(group: dict[str, Any]) -> torch.device:
+        return next((p.device for p in group["params"]), torch.device("cpu"))
 
     def _build_set(self, group: dict[str, Any], gi: int) -> None:
+        if self._streams(group):
+            if self._streamer is None:
+                self._streamer = Streamer(
+                    self,
+                    self._stream_device(group),
+                    free_gradients=self._free_gradients,
+                    async_step=self._async_step,
+                    bucket_bytes=self._bucket_bytes,
+                )
+            names = [self._name(group, gi, i) for i in range(len(group["params"]))]
+            self._streamer.add_group(gi, group, names, self._state_dtype)
+            self._sets.append(None)
+            self._buffers.append(None)
+            return
         params: list[Tensor] = group["params"]
         offsets, total = [], 0
         for p in params:
@@ -251,7 +309,7 @@ class Adam(Optimizer):
         pset = _native.ParamSet(
             params, exports, offsets, names, bufs.exp_avg, bufs.exp_avg_sq, bufs.steps, bufs.master, bufs.max_exp_avg_sq
         )
-        pset.check_disjoint(self._sets)
+        pset.check_disjoint([s for s in self._sets if s is not None])
         self._sets.append(pset)
         self._buffers.append(bufs)
 
@@ -259,11 +317,21 @@ class Adam(Optimizer):
         """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later."""
         for gi, group in enumerate(self.param_groups):
             bufs = self._buffers[gi]
+            if bufs is None:
+                if group["amsgrad"] and self._streamer is not None:
+                    buf = self._streamer.ensure_amsgrad(gi)
+                    if buf is not None:
+                        for i, p in enumerate(group["params"]):
+                            if self.state.get(p):
+                                self.state[p]["max_exp_avg_sq"] = self._streamer.state_views(gi, i, p)["max_exp_avg_sq"]
+                continue
             if group["amsgrad"] and bufs.max_exp_avg_sq is None:
                 # torch starts the maximum at zero for a fresh state; for an existing one the
                 # current exp_avg_sq is the best stand-in for the maximum so far.
                 bufs.max_exp_avg_sq = bufs.exp_avg_sq.clone()
-                self._sets[gi].set_max_exp_avg_sq(bufs.max_exp_avg_sq)
+                pset = self._sets[gi]
+                assert pset is not None
+                pset.set_max_exp_avg_sq(bufs.max_exp_avg_sq)
                 for i, p in enumerate(group["params"]):
                     if p in self.state and self.state[p]:
                         self.state[p]["max_exp_avg_sq"] = _view(bufs.max_exp_avg_sq, bufs.offsets[i], p)
@@ -272,6 +340,8 @@ class Adam(Optimizer):
         """The ``state[p]`` entry of parameter ``i`` of group ``gi``: views into the flat buffers."""
         p = self.param_groups[gi]["params"][i]
         bufs = self._buffers[gi]
+        if bufs is None:
+            return self._init_streamed_state(gi, i)
         off = bufs.offsets[i]
         state: dict[str, Any] = {
             "step": bufs.steps[i],
@@ -282,6 +352,13 @@ class Adam(Optimizer):
             state["max_exp_avg_sq"] = _view(bufs.max_exp_avg_sq, off, p)
         if bufs.master is not None and p.dtype in (torch.bfloat16, torch.float16):
             state["master_param"] = _view(bufs.master, off, p)
+        self.state[p] = state
+        return state
+
+    def _init_streamed_state(self, gi: int, i: int) -> dict[str, Any]:
+        assert self._streamer is not None
+        p = self.param_groups[gi]["params"][i]
+        state: dict[str, Any] = self._streamer.state_views(gi, i, p)
         self.state[p] = state
         return state
 
@@ -298,20 +375,119 @@ class Adam(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # GradScaler (torch.amp) hands a fused optimizer the scale and the inf flag instead of
+        # unscaling the gradients itself: a step with an inf/NaN is skipped (nothing advances),
+        # otherwise 1/scale is folded into the kernel together with the clipping coefficient.
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        scaler_ready = grad_scale is not None
+        if found_inf is not None and float(found_inf) != 0.0:
+            if self._streamer is not None:
+                self._streamer.skip()
+            self._clip_coef = 1.0
+            return loss
+        if self._streamer is not None and self._streamer.free_gradients and scaler_ready:
+            raise NotImplementedError(
+                "GradScaler with free_gradients=True is not supported: GradScaler looks for infs in GPU "
+                "gradients, which free_gradients frees; use free_gradients=False (bf16 needs no scaler)"
+            )
+        scale = (1.0 / float(grad_scale)) if grad_scale is not None else 1.0
         self._ensure_amsgrad_buffers()
-        first = _native.adam_step(
-            self._sets, self.param_groups, num_threads=self._num_threads, bias_correction=self._bias_correction
-        )
-        for gi, idxs in enumerate(first):
-            for i in idxs:
-                self._init_state(gi, i)
+        scale *= self._clip_coef
+        self._clip_coef = 1.0
+        direct = [(s, g) for s, g in zip(self._sets, self.param_groups) if s is not None]
+        if direct:
+            first = _native.adam_step(
+                [s for s, _ in direct],
+                [g for _, g in direct],
+                num_threads=self._num_threads,
+                grad_scale=scale,
+                bias_correction=self._bias_correction,
+            )
+            direct_gi = [gi for gi, s in enumerate(self._sets) if s is not None]
+            for gi, idxs in zip(direct_gi, first):
+                for i in idxs:
+                    self._init_state(gi, i)
+        if self._streamer is not None:
+            self._streamer.step(scale, self._bias_correction, self._num_threads, scaler_ready)
         return loss
+
+    def synchronize(self) -> None:
+        """Waits until an ``async_step=True`` step has updated every weight (a no-op otherwise),
+        and raises an error the step's worker met."""
+        if self._streamer is not None:
+            self._streamer.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's ``zero_grad``; also forgets gradients already streamed to the host."""
+        if self._streamer is not None:
+            self._streamer.discard_grads()
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+        """Clips the gradients of every parameter of this optimizer by their total 2-norm, like
+        ``torch.nn.utils.clip_grad_norm_``, and returns the total norm (of the gradients as they
+        are, so unscaled only if GradScaler unscaled them).
+
+        The norm is computed on the host copies of offloaded gradients (and on CPU gradients),
+        and the coefficient ``min(1, max_norm / (norm + 1e-6))`` is folded into the next step
+        instead of rewriting the gradients: ``p.grad`` keeps its values. It works with
+        ``free_gradients=True``, where torch's own function sees no gradients at all.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError(f"norm_type: only the 2-norm is supported by the fast path, got {norm_type}")
+        views: list[Tensor] = []
+        for s, g in zip(self._sets, self.param_groups):
+            if s is not None:
+                views += [p.grad for p in g["params"] if p.grad is not None]
+        if self._streamer is not None:
+            self._streamer.synchronize()
+            self._streamer._collect(False)
+            self._streamer.wait_arrivals()
+            views += self._streamer.grad_views()
+        sq = _native.grad_sq_norm([v.view(torch.float32) if v.is_complex() else v for v in views], num_threads=self._num_threads)
+        total = math.sqrt(sq) * self._clip_coef
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")
+        coef = float(max_norm) / (total + 1e-6)
+        if coef < 1.0:
+            self._clip_coef *= coef
+        return torch.tensor(total, dtype=torch.float32)
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes the optimizer holds: ``host_bytes`` (all host buffers), ``host_tight_bytes``
+        (4 B master + the moments + the gradient landing buffer per offloaded parameter, plus the
+        moments and masters of CPU groups) and ``gpu_bytes`` (GPU memory the optimizer itself
+        keeps between steps)."""
+        held = tight = 0
+        for bufs in self._buffers:
+            if bufs is None:
+                continue
+            for buf in (bufs.exp_avg, bufs.exp_avg_sq, bufs.max_exp_avg_sq, bufs.master, bufs.steps):
+                if buf is not None:
+                    n = buf.untyped_storage().nbytes()
+                    held += n
+                    tight += n
+        if self._streamer is not None:
+            h, t = self._streamer.memory()
+            held += h
+            tight += t
+        return {"host_bytes": held, "host_tight_bytes": tight, "gpu_bytes": 0}
+
+    @property
+    def last_step_stats(self) -> dict[str, float]:
+        """Host-side timing of the last offloaded step (seconds): ``d2h_wait_s`` (waiting for
+        gradients to arrive), ``cpu_step_s`` (the kernel), ``h2d_issue_s`` (queueing the
+        weight copies), ``forward_wait_s`` (async mode: time forwards waited for weights)."""
+        return dict(self._streamer.stats) if self._streamer is not None else {}
 
     # -- checkpoints ----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format. Moment tensors are views of this optimizer's buffers (as torch returns
         its own tensors); ``step`` is a fresh tensor."""
+        self.synchronize()
         sd = super().state_dict()
         sd["state"] = {k: {**v, "step": v["step"].clone()} for k, v in sd["state"].items()}
         return sd
@@ -319,6 +495,7 @@ class Adam(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Loads torch's format (from this class or from ``torch.optim.Adam``/``AdamW``) into the
         host buffers, in their dtypes. Everything is checked first: on error nothing changes."""
+        self.synchronize()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
             if result is not None:
@@ -386,9 +563,17 @@ class Adam(Optimizer):
         with torch.no_grad():
             self.state.clear()
             for bufs in self._buffers:
+                if bufs is None:
+                    continue
                 for t in (bufs.exp_avg, bufs.exp_avg_sq, bufs.steps, bufs.master, bufs.max_exp_avg_sq):
                     if t is not None:
                         t.zero_()
+            if self._streamer is not None:
+                for hg in self._streamer.groups.values():
+                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps"):
+                        t = hg.buffers[key]
+                        if t is not None:
+                            t.zero_()
             for gi, i, v in plan:
                 state = self._init_state(gi, i)
                 p = self.param_groups[gi]["params"][i]
@@ -403,6 +588,14 @@ class Adam(Optimizer):
                             state[key].copy_(p)
                         elif key == "max_exp_avg_sq":
                             state[key].copy_(state["exp_avg_sq"])
+                if self._streamer is not None and self._buffers[gi] is None:
+                    # The loaded master is the truth; the model's weights are taken over only if
+                    # they are written after this point.
+                    rec = self._streamer.recs[self._streamer.by_param[id(p)]]
+                    if v.get("master_param") is None:
+                        rec.param_version = -1
+                    else:
+                        rec.param_version = p._version
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -429,6 +622,9 @@ class AdamW(Adam):
         state_dtype: torch.dtype = torch.float32,
         offload: str = "cpu",
         bias_correction: bool = True,
+        free_gradients: bool = False,
+        async_step: bool = False,
+        bucket_mb: float = 32,
     ) -> None:
         super().__init__(
             params,
@@ -447,6 +643,9 @@ class AdamW(Adam):
             state_dtype=state_dtype,
             offload=offload,
             bias_correction=bias_correction,
+            free_gradients=free_gradients,
+            async_step=async_step,
+            bucket_mb=bucket_mb,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -1,0 +1,343 @@
+"""The GPU-offload machinery (hooks, buckets, worker, copy-back, pre-hook waits, accumulation,
+clipping, GradScaler), run on CPU parameters through OFFLOAD_ADAM_FORCE_STREAMING=1: only the
+CUDA specifics (streams, events, pinned memory) are replaced by a host stand-in."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from helpers import max_diff
+
+import offload_adam
+from offload_adam import AdamW
+
+TOL = 2e-5
+
+
+@pytest.fixture(autouse=True)
+def _force_streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv("OFFLOAD_ADAM_FORCE_STREAMING", "1")
+    yield
+
+
+class Net(torch.nn.Module):
+    def __init__(self, d: int = 16, layers: int = 3, vocab: int = 11) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(layers))
+        self.norm = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.unused = torch.nn.Linear(d, d)  # never gets a gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(self.norm(h))
+
+
+def twins(dtype: torch.dtype = torch.float32, **kw: Any) -> tuple[Net, Net, AdamW, torch.optim.AdamW]:
+    torch.manual_seed(0)
+    a = Net().to(dtype)
+    b = Net()
+    b.load_state_dict({k: v.float() for k, v in a.state_dict().items()})
+    opt_kw = {k: kw.pop(k) for k in ("free_gradients", "async_step", "bucket_mb") if k in kw}
+    ours = AdamW(a.parameters(), lr=1e-2, bucket_mb=opt_kw.pop("bucket_mb", 0.001), **opt_kw, **kw)
+    ref = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False, **kw)
+    return a, b, ours, ref
+
+
+def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(m(x).float().flatten(0, 1), x.flatten())
+
+
+def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 11, (4, 6), generator=g) for _ in range(n)]
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, tol: float = TOL) -> None:
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert max_diff(p.float(), q) <= tol, n
+
+
+@pytest.mark.parametrize("mode", [{}, {"async_step": True}, {"free_gradients": True}, {"free_gradients": True, "async_step": True}])
+def test_training_matches_torch(mode: dict[str, Any]) -> None:
+    a, b, ours, ref = twins(**mode, weight_decay=0.1, amsgrad=True)
+    assert ours._streamer is not None and len(ours._streamer.buckets) > 3
+    for x in batches(40):
+        for m, o in ((a, ours), (b, ref)):
+            o.zero_grad()
+            loss_of(m, x).backward()
+            o.step()
+        if mode.get("free_gradients"):
+            assert all(p.grad is None for p in a.parameters())
+    ours.synchronize()
+    assert_same_weights(a, b)
+    assert a.unused.weight not in ours.state  # no gradient, no state, no step
+    assert float(ours.state[a.layers[0].weight]["step"]) == 40
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_gradient_accumulation_is_exact(free: bool) -> None:
+    a, b, ours, ref = twins(free_gradients=free)
+    data = batches(24)
+    for k in range(0, 24, 4):
+        for m, o in ((a, ours), (b, ref)):
+            o.zero_grad()
+            for x in data[k : k + 4]:
+                (loss_of(m, x) / 4).backward()
+            o.step()
+    assert_same_weights(a, b)
+
+
+def test_low_precision_model_keeps_fp32_masters_on_the_host() -> None:
+    a, b, ours, ref = twins(dtype=torch.bfloat16)
+    data = batches(20)
+    for x in data:
+        ours.zero_grad()
+        loss_of(a, x).backward()
+        # torch, in fp32, fed the same (bf16) gradients
+        ref.zero_grad()
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.grad = None if p.grad is None else p.grad.float()
+        ours.step()
+        ref.step()
+        for p, q in zip(a.parameters(), b.parameters()):
+            q.data.copy_(q.data)  # torch keeps its own fp32 trajectory
+    for p, q in zip(a.parameters(), b.parameters()):
+        st = ours.state.get(p)
+        if not st:
+            continue
+        assert st["master_param"].dtype == torch.float32
+        assert max_diff(st["master_param"], q) <= TOL
+        assert torch.equal(p.detach(), st["master_param"].to(torch.bfloat16))
+
+
+def test_clip_grad_norm_on_the_model_is_seen_and_the_fast_path_matches() -> None:
+    # torch's own clip on the model's gradients, between backward and step (HF Trainer)
+    a, b, ours, ref = twins()
+    for x in batches(20):
+        for m, o in ((a, ours), (b, ref)):
+            o.zero_grad()
+            (loss_of(m, x) * 50).backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            o.step()
+    assert_same_weights(a, b)
+    # the fast path: same norm as torch's, same trajectory; with free_gradients too
+    for free in (False, True):
+        a, b, ours, ref = twins(free_gradients=free)
+        for x in batches(20):
+            for m, o in ((a, ours), (b, ref)):
+                o.zero_grad()
+                (loss_of(m, x) * 50).backward()
+            norm = ours.clip_grad_norm_(1.0)
+            want = torch.nn.utils.clip_grad_norm_(b.parameters(), 1.0)
+            assert abs(float(norm) - float(want)) <= 1e-5 * float(want)
+            ours.step()
+            ref.step()
+        assert_same_weights(a, b)
+
+
+def test_grad_scaler_unscales_in_the_kernel_and_skips_infs() -> None:
+    a, b, ours, ref = twins()
+    sa = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    sb = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    for t, x in enumerate(batches(20)):
+        for m, o, s in ((a, ours, sa), (b, ref, sb)):
+            o.zero_grad()
+            s.scale(loss_of(m, x)).backward()
+            if t == 7:  # an overflow: the step is skipped and the scale drops
+                m.layers[1].bias.grad[0] = float("inf")
+            s.step(o)
+            s.update()
+        assert sa.get_scale() == sb.get_scale()
+    assert float(ours.state[a.layers[0].weight]["step"]) == 19
+    assert_same_weights(a, b)
+
+
+def test_grad_scaler_with_free_gradients_is_refused_clearly() -> None:
+    a, _, ours, _ = twins(free_gradients=True)
+    s = torch.amp.GradScaler("cpu")
+    s.scale(loss_of(a, batches(1)[0])).backward()
+    with pytest.raises((NotImplementedError, AssertionError)):
+        s.step(ours)
+        s.update()
+
+
+def test_async_step_never_lets_a_forward_read_a_stale_weight() -> None:
+    a, b, ours, ref = twins(async_step=True)
+    ours._streamer.test_delay_s = 0.02  # a deliberately slow step: the next forward overtakes it
+    for x in batches(6):
+        ours.zero_grad()
+        loss_of(a, x).backward()
+        ours.step()
+        out = a(x)  # runs while the worker is still updating later buckets
+        ours.synchronize()
+        assert torch.equal(out, a(x)), "the forward read a weight before its update"
+        ref.zero_grad()
+        loss_of(b, x).backward()
+        ref.step()
+    assert ours.last_step_stats["forward_wait_s"] > 0
+    assert_same_weights(a, b)
+
+
+def test_worker_errors_reach_the_caller_and_leave_state_consistent() -> None:
+    a, _, ours, _ = twins(async_step=True)
+    x = batches(1)[0]
+    loss_of(a, x).backward()
+    ours.param_groups[0]["lr"] = float("nan")
+    before = [p.detach().clone() for p in a.parameters()]
+    ours.step()
+    with pytest.raises(RuntimeError, match="Invalid learning rate"):
+        ours.synchronize()
+    for p, w in zip(a.parameters(), before):
+        assert torch.equal(p.detach(), w)
+    ours.param_groups[0]["lr"] = 1e-2
+    ours.step()  # the gradients are still there: this step applies them
+    ours.synchronize()
+    assert any(not torch.equal(p.detach(), w) for p, w in zip(a.parameters(), before))
+
+
+def test_keyboard_interrupt_leaves_each_bucket_updated_or_untouched() -> None:
+    a, _, ours, _ = twins()
+    x = batches(1)[0]
+    loss_of(a, x).backward()
+    before = {id(p): p.detach().clone() for p in a.parameters()}
+    ours._streamer.test_interrupt_at = 2
+    with pytest.raises(KeyboardInterrupt):
+        ours.step()
+    ours._streamer.test_interrupt_at = -1
+    st = ours._streamer
+    work = [bk for bk in st.buckets if any(st.recs[i].has_grad or id(st.recs[i].param) in before for i in bk.recs)]
+    updated = untouched = 0
+    for bk in work:
+        ps = [st.recs[i].param for i in bk.recs if st.recs[i].param.grad is not None]
+        changed = [not torch.equal(p.detach(), before[id(p)]) for p in ps]
+        assert all(changed) or not any(changed)
+        updated += all(changed) and bool(changed)
+        untouched += not any(changed)
+    assert updated == 2 and untouched >= 1
+
+
+def test_edge_cases_of_the_loop() -> None:
+    a, b, ours, ref = twins()
+    w = [p.detach().clone() for p in a.parameters()]
+    ours.step()  # no backward: a no-op
+    assert all(torch.equal(p.detach(), q) for p, q in zip(a.parameters(), w)) and len(ours.state) == 0
+    x, y = batches(2)
+    loss_of(a, x).backward()
+    ours.zero_grad()  # discards the streamed gradients too
+    ours.step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(a.parameters(), w))
+    for m, o in ((a, ours), (b, ref)):  # backward twice without a step accumulates
+        o.zero_grad()
+        loss_of(m, x).backward()
+        loss_of(m, y).backward()
+        o.step()
+    assert_same_weights(a, b)
+
+
+def test_state_dict_round_trips_with_torch_and_resumes_exactly() -> None:
+    a, b, ours, ref = twins(amsgrad=True)
+    data = batches(30)
+    for x in data[:10]:
+        for m, o in ((a, ours), (b, ref)):
+            o.zero_grad()
+            loss_of(m, x).backward()
+            o.step()
+    sd = copy.deepcopy(ours.state_dict())
+    assert "master_param" in sd["state"][0] and sd["state"][0]["exp_avg"].device.type == "cpu"
+    # resume in a fresh optimizer (and model), and in torch from our checkpoint
+    a2 = copy.deepcopy(a)
+    ours2 = AdamW(a2.parameters(), lr=1e-2, amsgrad=True, bucket_mb=0.001)
+    ours2.load_state_dict(sd)
+    b2 = copy.deepcopy(a).float()
+    ref2 = torch.optim.AdamW(b2.parameters(), lr=1e-2, amsgrad=True, foreach=False)
+    ref2.load_state_dict(copy.deepcopy(sd))
+    for x in data[10:]:
+        for m, o in ((a, ours), (a2, ours2), (b2, ref2), (b, ref)):
+            o.zero_grad()
+            loss_of(m, x).backward()
+            o.step()
+    assert_same_weights(a2, a, tol=0.0)
+    assert_same_weights(a2, b)
+    assert_same_weights(b2, b)
+
+
+def test_model_checkpoint_loaded_mid_training_is_taken_over() -> None:
+    a, _, ours, _ = twins(dtype=torch.bfloat16)
+    snapshot = copy.deepcopy(a.state_dict())
+    for x in batches(5):
+        ours.zero_grad()
+        loss_of(a, x).backward()
+        ours.step()
+    a.load_state_dict(snapshot)  # back to the start, behind the optimizer's back
+    ours.zero_grad()
+    loss_of(a, batches(1, seed=3)[0]).backward()
+    ours.step()
+    for k, p in a.named_parameters():
+        if p in ours.state:
+            assert max_diff(p, snapshot[k]) < 0.1, k  # one step away from the loaded weights
+
+
+def test_thousands_of_small_parameters_and_memory_report() -> None:
+    torch.manual_seed(0)
+    ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(2000)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ours = AdamW(ps, lr=1e-3)
+    ref = torch.optim.AdamW(qs, lr=1e-3, foreach=False)
+    for _ in range(5):
+        for p, q in zip(ps, qs):
+            g = torch.randn(64)
+            p.grad, q.grad = g, g.clone()
+        ours.step()
+        ref.step()
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= TOL
+    big = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
+    rep = AdamW(big).memory_report()
+    assert rep["gpu_bytes"] == 0
+    assert rep["host_tight_bytes"] == 4 * (1 << 20) * (4 + 8 + 4)
+    assert rep["host_bytes"] <= 1.05 * rep["host_tight_bytes"]
+
+
+def test_moved_or_retyped_parameters_are_refused_before_anything_changes() -> None:
+    a, _, ours, _ = twins()
+    loss_of(a, batches(1)[0]).backward()
+    ours.step()
+    a.double()
+    loss_of(a, batches(1)[0]).backward()
+    w = [p.detach().clone() for p in a.parameters()]
+    with pytest.raises(RuntimeError, match="moved or changed"):
+        ours.step()
+    assert all(torch.equal(p.detach(), q) for p, q in zip(a.parameters(), w))
+
+
+def test_profiler_sees_named_ranges() -> None:
+    a, _, ours, _ = twins()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        loss_of(a, batches(1)[0]).backward()
+        ours.step()
+    names = {e.name for e in prof.events()}
+    assert {"offload_adam.d2h", "offload_adam.cpu_step", "offload_adam.h2d"} <= names
+
+
+def test_streaming_is_reported_by_the_package() -> None:
+    assert offload_adam.streaming_forced()
+
+
+@pytest.mark.cuda
+def test_cuda_parameters_on_two_devices_or_mixed_with_cpu() -> None:
+    p = torch.nn.Parameter(torch.randn(4, device="cuda"))
+    q = torch.nn.Parameter(torch.randn(4))
+    with pytest.raises(ValueError, match="mixes devices"):
+        AdamW([p, q])
+    if torch.cuda.device_count() > 1:
+        r = torch.nn.Parameter(torch.randn(4, device="cuda:1"))
+        with pytest.raises(ValueError, match="one optimizer per GPU"):
+            AdamW([{"params": [p]}, {"params": [r]}])

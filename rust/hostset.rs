@@ -13,7 +13,7 @@ use rayon::prelude::*;
 use crate::bindings::{check_disjoint, grad_ref, hyper, pool, simd_or_default, slice_mut, state_mut, GradInfo};
 use crate::dlpack::{DType, Import};
 use crate::elem::{Bf16, Elem, F16};
-use crate::kernel::{self, Consts, OutMut, Segment};
+use crate::kernel::{self, Consts, GradRef, OutMut, Segment};
 
 const KINDS: [DType; 3] = [DType::F32, DType::Bf16, DType::F16];
 
@@ -45,6 +45,8 @@ pub struct HostSet {
 impl HostSet {
     /// `kinds[i]` is 0, 1, 2 for a float32, bfloat16, float16 parameter (its gradient dtype);
     /// `grads[k]`/`outs[k]` are the landing buffers and (k > 0) weight-copy buffers of kind k.
+    /// Without `outs[k]`, the landing buffer of kind k also receives the weight copy (the
+    /// kernel reads a block's gradient, then overwrites it with the block's new weights).
     #[new]
     #[pyo3(signature = (state_offsets, lens, kinds, grad_offsets, master, exp_avg, exp_avg_sq, steps, grads, outs, max_exp_avg_sq=None))]
     fn new(
@@ -109,8 +111,8 @@ impl HostSet {
                 Some(g) if fits(g, goff) => {}
                 _ => return Err(PyValueError::new_err(format!("parameter {i}: gradient slot missing or past the end"))),
             }
-            if k > 0 && !os[k].as_ref().is_some_and(|o| fits(o, goff)) {
-                return Err(PyValueError::new_err(format!("parameter {i}: weight-copy slot missing or past the end")));
+            if k > 0 && os[k].as_ref().is_some_and(|o| !fits(o, goff)) {
+                return Err(PyValueError::new_err(format!("parameter {i}: weight-copy slot past the end")));
             }
             state_ranges.push((off, off + len, format!("parameter {i}")));
             slots.push(Slot { state: off, len, kind: k, grad: goff });
@@ -217,17 +219,18 @@ pub fn host_step(
         // other, and `indices` has no repeats: no two slices alias.
         let seg = unsafe {
             let info = GradInfo { ptr: g.addr() + s.grad * g.dtype.size(), dtype: g.dtype };
+            let in_grad = s.kind > 0 && set.outs[s.kind].is_none();
             Segment {
                 consts: Consts::new(&h, step),
                 amsgrad: h.amsgrad,
                 param: slice_mut::<f32>(set.master.ptr(), s.state, s.len),
-                grad: grad_ref(&info, s.len),
+                grad: if in_grad { GradRef::InOut } else { grad_ref(&info, s.len) },
                 exp_avg: state_mut(&set.exp_avg, s.state, s.len),
                 exp_avg_sq: state_mut(&set.exp_avg_sq, s.state, s.len),
                 max_exp_avg_sq: if h.amsgrad { vmax.as_ref().map(|x| state_mut(x, s.state, s.len)) } else { None },
-                out: match (s.kind, &set.outs[s.kind]) {
-                    (1, Some(o)) => OutMut::Bf16(slice_mut::<Bf16>(o.ptr(), s.grad, s.len)),
-                    (2, Some(o)) => OutMut::F16(slice_mut::<F16>(o.ptr(), s.grad, s.len)),
+                out: match (s.kind, set.outs[s.kind].as_ref().unwrap_or(g)) {
+                    (1, o) => OutMut::Bf16(slice_mut::<Bf16>(o.ptr(), s.grad, s.len)),
+                    (2, o) => OutMut::F16(slice_mut::<F16>(o.ptr(), s.grad, s.len)),
                     _ => OutMut::None,
                 },
             }

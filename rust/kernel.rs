@@ -124,6 +124,10 @@ pub enum GradRef<'a> {
     F32(&'a [f32]),
     Bf16(&'a [Bf16]),
     F16(&'a [F16]),
+    /// The gradient is in the low-precision copy's buffer (`Segment::out`), which the copy then
+    /// overwrites: one host buffer per parameter serves as gradient landing slot and as source
+    /// of the weights sent back to the GPU. Nothing is read back from it as a previous copy.
+    InOut,
 }
 
 /// Moment slice (exp_avg, exp_avg_sq, max_exp_avg_sq).
@@ -151,23 +155,22 @@ macro_rules! enum_split {
 
 impl GradRef<'_> {
     pub fn len(&self) -> usize {
-        enum_len!(self, GradRef::F32, GradRef::Bf16, GradRef::F16)
+        match self {
+            GradRef::F32(s) => s.len(),
+            GradRef::Bf16(s) => s.len(),
+            GradRef::F16(s) => s.len(),
+            GradRef::InOut => 0,
+        }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
-    }
-    pub fn dtype(&self) -> &'static str {
-        match self {
-            GradRef::F32(_) => f32::NAME,
-            GradRef::Bf16(_) => Bf16::NAME,
-            GradRef::F16(_) => F16::NAME,
-        }
     }
     fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             GradRef::F32(s) => (GradRef::F32(&s[..mid]), GradRef::F32(&s[mid..])),
             GradRef::Bf16(s) => (GradRef::Bf16(&s[..mid]), GradRef::Bf16(&s[mid..])),
             GradRef::F16(s) => (GradRef::F16(&s[..mid]), GradRef::F16(&s[mid..])),
+            GradRef::InOut => (GradRef::InOut, GradRef::InOut),
         }
     }
 }
@@ -247,7 +250,11 @@ impl<'a> Segment<'a> {
                 Ok(())
             }
         };
-        check("grad", self.grad.len())?;
+        match (&self.grad, &self.out) {
+            (GradRef::InOut, OutMut::None) => return Err("a gradient in the copy's buffer needs that buffer".into()),
+            (GradRef::InOut, _) => {}
+            _ => check("grad", self.grad.len())?,
+        }
         check("exp_avg", self.exp_avg.len())?;
         check("exp_avg_sq", self.exp_avg_sq.len())?;
         if self.exp_avg.is_bf16() != self.exp_avg_sq.is_bf16() {
@@ -584,6 +591,64 @@ unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     }
 }
 
+/// The block loop when the gradient sits in the copy's buffer `o`, which the copy overwrites.
+///
+/// # Safety
+/// The CPU supports `I`; all slices have `p.len()` elements (`vmax` too when `AMS`).
+#[inline(always)]
+unsafe fn body_inout<I: Isa, O: BlockIo, S: BlockIo, const AMS: bool>(
+    c: &Consts,
+    p: &mut [f32],
+    o: &mut [O],
+    m: &mut [S],
+    v: &mut [S],
+    vmax: &mut [S],
+) {
+    let n = p.len();
+    let full = n / LANES;
+    let (pb, pt) = p.as_chunks_mut::<LANES>();
+    let (ob, ot) = o.as_chunks_mut::<LANES>();
+    let (mb, mt) = m.as_chunks_mut::<LANES>();
+    let (vb, vt) = v.as_chunks_mut::<LANES>();
+    let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+    // SAFETY: as in `body`: equal lengths, so `full` blocks in each; CPU support is the caller's.
+    unsafe {
+        for b in 0..full {
+            let ahead = (b + PREFETCH_BLOCKS).min(full - 1);
+            I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(ob.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(mb.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(vb.as_ptr().wrapping_add(ahead) as *const u8);
+            let pk = pb.get_unchecked_mut(b);
+            let ok = ob.get_unchecked_mut(b);
+            let g = *ok;
+            let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
+            update_block::<I, O, S, AMS>(c, pk, &g, mb.get_unchecked_mut(b), vb.get_unchecked_mut(b), x);
+            *ok = O::store::<I>(pk);
+        }
+    }
+    let r = n - full * LANES;
+    if r == 0 {
+        return;
+    }
+    let mut p1 = pad(pt);
+    let g1 = pad(ot);
+    let (mut m1, mut v1) = (pad(mt), pad(vt));
+    let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
+    // SAFETY: as above.
+    let o1 = unsafe {
+        update_block::<I, O, S, AMS>(c, &mut p1, &g1, &mut m1, &mut v1, AMS.then_some(&mut x1));
+        O::store::<I>(&p1)
+    };
+    pt.copy_from_slice(&p1[..r]);
+    ot.copy_from_slice(&o1[..r]);
+    mt.copy_from_slice(&m1[..r]);
+    vt.copy_from_slice(&v1[..r]);
+    if AMS {
+        xt.copy_from_slice(&x1[..r]);
+    }
+}
+
 /// Sum of squares in f64, lane-wise then in a fixed order.
 #[inline(always)]
 unsafe fn sq_norm_body<I: Isa, G: BlockIo>(g: &[G]) -> f64 {
@@ -638,6 +703,16 @@ trait Path {
         next: &Lookahead,
     );
     /// # Safety
+    /// As for [`body_inout`].
+    unsafe fn update_inout<O: BlockIo, S: BlockIo, const AMS: bool>(
+        c: &Consts,
+        p: &mut [f32],
+        o: &mut [O],
+        m: &mut [S],
+        v: &mut [S],
+        vmax: &mut [S],
+    );
+    /// # Safety
     /// The CPU supports the path.
     unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64;
     /// # Safety
@@ -662,6 +737,18 @@ macro_rules! path {
                     unsafe { body::<$isa, G, S, AMS>(c, p, g, m, v, vmax, out, next) }
                 }
                 unsafe { f::<G, S, AMS>(c, p, g, m, v, vmax, out, next) }
+            }
+            #[inline]
+            unsafe fn update_inout<O: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts, p: &mut [f32], o: &mut [O], m: &mut [S], v: &mut [S], vmax: &mut [S],
+            ) {
+                $(#[target_feature(enable = $features)])?
+                unsafe fn f<O: BlockIo, S: BlockIo, const AMS: bool>(
+                    c: &Consts, p: &mut [f32], o: &mut [O], m: &mut [S], v: &mut [S], vmax: &mut [S],
+                ) {
+                    unsafe { body_inout::<$isa, O, S, AMS>(c, p, o, m, v, vmax) }
+                }
+                unsafe { f::<O, S, AMS>(c, p, o, m, v, vmax) }
             }
             #[inline]
             unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
@@ -714,14 +801,62 @@ unsafe fn run_path<P: Path>(s: Segment<'_>, next: &Lookahead) {
             }
         };
     }
+    macro_rules! inout {
+        ($o:expr) => {{
+            macro_rules! go2 {
+                ($ams:literal, $m:expr, $v:expr, $x:expr) => {
+                    // SAFETY: as above.
+                    unsafe { P::update_inout::<_, _, $ams>(&consts, param, $o, $m, $v, $x) }
+                };
+            }
+            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
+                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => go2!(true, m, v, x),
+                (StateMut::F32(m), StateMut::F32(v), _) => go2!(false, m, v, &mut []),
+                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => go2!(true, m, v, x),
+                (StateMut::Bf16(m), StateMut::Bf16(v), _) => go2!(false, m, v, &mut []),
+                _ => unreachable!("validated: moments share one dtype"),
+            }
+        }};
+    }
     match grad {
         GradRef::F32(g) => by_state!(g),
         GradRef::Bf16(g) => by_state!(g),
         GradRef::F16(g) => by_state!(g),
+        GradRef::InOut => match std::mem::replace(&mut out, OutMut::None) {
+            OutMut::Bf16(o) => inout!(o),
+            OutMut::F16(o) => inout!(o),
+            OutMut::None => unreachable!("validated: InOut has a copy buffer"),
+        },
     }
 }
 
 fn run_reference(s: Segment<'_>) {
+    if let GradRef::InOut = s.grad {
+        // The specification of the in-place mode: read the gradients, then run the plain update
+        // with the copy written to the same buffer.
+        let Segment { consts, amsgrad, param, exp_avg, exp_avg_sq, max_exp_avg_sq, out, .. } = s;
+        match out {
+            OutMut::Bf16(o) => {
+                let g: Vec<Bf16> = o.to_vec();
+                // The slot is overwritten, never compared: clear it so the resync sees no edit.
+                for (x, p) in o.iter_mut().zip(param.iter()) {
+                    *x = Bf16::from_f32(*p);
+                }
+                let seg = Segment { consts, amsgrad, param, grad: GradRef::Bf16(&g), exp_avg, exp_avg_sq, max_exp_avg_sq, out: OutMut::Bf16(o) };
+                run_reference(seg);
+            }
+            OutMut::F16(o) => {
+                let g: Vec<F16> = o.to_vec();
+                for (x, p) in o.iter_mut().zip(param.iter()) {
+                    *x = F16::from_f32(*p);
+                }
+                let seg = Segment { consts, amsgrad, param, grad: GradRef::F16(&g), exp_avg, exp_avg_sq, max_exp_avg_sq, out: OutMut::F16(o) };
+                run_reference(seg);
+            }
+            OutMut::None => unreachable!("validated"),
+        }
+        return;
+    }
     let Segment { consts, amsgrad, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out } = s;
     macro_rules! go {
         ($g:expr, $m:expr, $v:expr, $x:expr) => {
@@ -747,6 +882,7 @@ fn run_reference(s: Segment<'_>) {
         GradRef::F32(g) => by_state!(g),
         GradRef::Bf16(g) => by_state!(g),
         GradRef::F16(g) => by_state!(g),
+        GradRef::InOut => unreachable!("handled above"),
     }
 }
 
@@ -787,6 +923,11 @@ impl Lookahead {
             GradRef::F32(x) => add(x.as_ptr() as usize, 4),
             GradRef::Bf16(x) => add(x.as_ptr() as usize, 2),
             GradRef::F16(x) => add(x.as_ptr() as usize, 2),
+            GradRef::InOut => match &s.out {
+                OutMut::Bf16(x) => add(x.as_ptr() as usize, 2),
+                OutMut::F16(x) => add(x.as_ptr() as usize, 2),
+                OutMut::None => {}
+            },
         }
         let mut state = |x: &StateMut<'_>| match x {
             StateMut::F32(x) => add(x.as_ptr() as usize, 4),
@@ -877,6 +1018,7 @@ fn grad_chunks<'a>(grads: &[GradRef<'a>]) -> Vec<GradRef<'a>> {
             GradRef::F32(s) => GradRef::F32(s),
             GradRef::Bf16(s) => GradRef::Bf16(s),
             GradRef::F16(s) => GradRef::F16(s),
+            GradRef::InOut => continue,
         };
         while rest.len() > CHUNK {
             let (a, b) = rest.split_at(CHUNK);
@@ -914,6 +1056,7 @@ pub fn grad_sq_norm(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result
                 GradRef::F32(s) => P::sq_norm(s),
                 GradRef::Bf16(s) => P::sq_norm(s),
                 GradRef::F16(s) => P::sq_norm(s),
+                GradRef::InOut => 0.0,
             }
         }
     }
@@ -922,6 +1065,7 @@ pub fn grad_sq_norm(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result
             GradRef::F32(s) => s.iter().map(|x| (*x as f64) * (*x as f64)).sum(),
             GradRef::Bf16(s) => s.iter().map(|x| (x.to_f32() as f64).powi(2)).sum(),
             GradRef::F16(s) => s.iter().map(|x| (x.to_f32() as f64).powi(2)).sum(),
+            GradRef::InOut => 0.0,
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => one::<Avx2Path>(g),
@@ -943,6 +1087,7 @@ pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Res
                 GradRef::F32(s) => P::nonfinite(s),
                 GradRef::Bf16(s) => P::nonfinite(s),
                 GradRef::F16(s) => P::nonfinite(s),
+                GradRef::InOut => false,
             }
         }
     }
@@ -951,6 +1096,7 @@ pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Res
             GradRef::F32(s) => s.iter().any(|x| !x.is_finite()),
             GradRef::Bf16(s) => s.iter().any(|x| !x.to_f32().is_finite()),
             GradRef::F16(s) => s.iter().any(|x| !x.to_f32().is_finite()),
+            GradRef::InOut => false,
         },
         #[cfg(target_arch = "x86_64")]
         Simd::Avx2 => one::<Avx2Path>(g),
@@ -1139,6 +1285,7 @@ mod tests {
                                     GradRef::F32(x) => GradRef::F32(x),
                                     GradRef::Bf16(x) => GradRef::Bf16(x),
                                     GradRef::F16(x) => GradRef::F16(x),
+                                    GradRef::InOut => GradRef::InOut,
                                 };
                                 let (m, v, x) = if bf16_state {
                                     (StateMut::Bf16(&mut m16), StateMut::Bf16(&mut v16), StateMut::Bf16(&mut x16))
@@ -1184,6 +1331,37 @@ mod tests {
                         }
                     }
                 }
+            }
+        }
+    }
+
+    /// The gradient read from the copy's buffer, which the copy then overwrites, gives the same
+    /// result as separate buffers, on every path.
+    #[test]
+    fn gradient_in_the_copy_buffer() {
+        let h = hyper(true, true, false, 0.01);
+        for simd in Simd::available() {
+            for n in [5usize, 16, 100, 2 * CHUNK + 9] {
+                let src = Bufs::new(n, 21);
+                let g: Vec<Bf16> = src.g.iter().map(|&x| Bf16::from_f32(x)).collect();
+                let run = |inout: bool| {
+                    let (mut p, mut m, mut v, mut x) = (src.p.clone(), src.m.clone(), src.v.clone(), src.x.clone());
+                    let mut o: Vec<Bf16> = if inout { g.clone() } else { p.iter().map(|&x| Bf16::from_f32(x)).collect() };
+                    let seg = Segment {
+                        consts: Consts::new(&h, 2),
+                        amsgrad: true,
+                        param: &mut p,
+                        grad: if inout { GradRef::InOut } else { GradRef::Bf16(&g) },
+                        exp_avg: StateMut::F32(&mut m),
+                        exp_avg_sq: StateMut::F32(&mut v),
+                        max_exp_avg_sq: Some(StateMut::F32(&mut x)),
+                        out: OutMut::Bf16(&mut o),
+                    };
+                    adam_step(simd, crate::pool::get(2).unwrap().as_deref(), vec![seg]).unwrap();
+                    (p, m, o)
+                };
+                let (a, b) = (run(false), run(true));
+                assert!(a.0 == b.0 && a.1 == b.1 && a.2 == b.2, "{simd:?} n={n}");
             }
         }
     }

@@ -83,6 +83,30 @@ def test_training_matches_torch(mode: dict[str, Any]) -> None:
     assert float(ours.state[a.layers[0].weight]["step"]) == 40
 
 
+def test_param_groups_and_a_scheduler_cycling_betas() -> None:
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+
+    def groups(m: Net) -> list[dict[str, Any]]:
+        return [
+            {"params": list(m.layers.parameters()), "weight_decay": 0.2},
+            {"params": list(m.emb.parameters()) + list(m.norm.parameters()), "lr": 3e-3, "amsgrad": True},
+        ]
+
+    ours = AdamW(groups(a), lr=1e-2, bucket_mb=0.001)
+    ref = torch.optim.AdamW(groups(b), lr=1e-2, foreach=False)
+    s1 = torch.optim.lr_scheduler.OneCycleLR(ours, max_lr=[1e-2, 3e-3], total_steps=30)
+    s2 = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=[1e-2, 3e-3], total_steps=30)
+    for x in batches(30):
+        for m, o, sch in ((a, ours, s1), (b, ref, s2)):
+            o.zero_grad()
+            loss_of(m, x).backward()
+            o.step()
+            sch.step()
+    assert_same_weights(a, b)
+
+
 @pytest.mark.parametrize("free", [False, True])
 def test_gradient_accumulation_is_exact(free: bool) -> None:
     a, b, ours, ref = twins(free_gradients=free)
@@ -299,11 +323,13 @@ def test_thousands_of_small_parameters_and_memory_report() -> None:
         ours.step()
         ref.step()
     assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= TOL
-    big = [torch.nn.Parameter(torch.randn(1 << 20)) for _ in range(4)]
-    rep = AdamW(big).memory_report()
-    assert rep["gpu_bytes"] == 0
-    assert rep["host_tight_bytes"] == 4 * (1 << 20) * (4 + 8 + 4)
-    assert rep["host_bytes"] <= 1.05 * rep["host_tight_bytes"]
+    for dtype, grad_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        big = [torch.nn.Parameter(torch.randn(1 << 20).to(dtype)) for _ in range(4)]
+        rep = AdamW(big).memory_report()
+        assert rep["gpu_bytes"] == 0
+        # 4 B master + 8 B moments + the landing buffer (which also carries the bf16 copy back)
+        assert rep["host_tight_bytes"] == 4 * (1 << 20) * (4 + 8 + grad_bytes)
+        assert rep["host_bytes"] <= 1.05 * rep["host_tight_bytes"]
 
 
 def test_moved_or_retyped_parameters_are_refused_before_anything_changes() -> None:

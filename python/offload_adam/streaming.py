@@ -238,7 +238,9 @@ class Streamer:
             "steps": steps,
         }
         grads = [be.empty(n_grad[k], _KINDS[k]) if k in kinds else None for k in range(3)]
-        outs = [None] + [be.empty(n_grad[k], _KINDS[k]) if k in kinds else None for k in (1, 2)]
+        # No separate weight-copy buffers: a bf16/fp16 parameter's landing slot receives the new
+        # weights once the kernel has read its gradient, and is the source of the copy back.
+        outs: list[Tensor | None] = [None, None, None]
         for k in range(3):
             bufs[f"grad_{k}"] = grads[k]
             bufs[f"out_{k}"] = outs[k]
@@ -253,7 +255,7 @@ class Streamer:
             k = kinds[i]
             grad_view = self._view(grads[k], grad_off[i], p)  # type: ignore[arg-type]
             master_view = self._view(master, state_off[i], p)
-            copy_src = master_view if k == 0 else self._view(outs[k], grad_off[i], p)  # type: ignore[arg-type]
+            copy_src = master_view if k == 0 else grad_view
             r = len(self.recs)
             self.recs.append(_Rec(p, names[i], p.dtype, gi, i, len(self.buckets), grad_view, copy_src, master_view))
             self.by_param[id(p)] = r
@@ -450,8 +452,6 @@ class Streamer:
             # loaded into the model): the master takes the model's value.
             if steps[r.index] == 0 or r.param._version != r.param_version:  # type: ignore[index]
                 r.master.copy_(r.param.detach())
-                if r.copy_src is not r.master:
-                    r.copy_src.copy_(r.param.detach())
         group = self.opt.param_groups[b.group]
         with torch.profiler.record_function("offload_adam.cpu_step"):
             first = _native.host_step(

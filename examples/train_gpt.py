@@ -5,7 +5,12 @@ same process, so the script can say whether the loss curves agree and how the op
 times compare. The data is made here: sentences of sums (``"17+5=22;"``) to learn by heart and by
 rule, so nothing is downloaded.
 
-    python examples/train_gpt.py [--steps 300] [--layers 4] [--d-model 128] [--threads N]
+With CUDA the model trains on the GPU and offload_adam offloads the optimizer (state in pinned
+host memory, gradients streamed during backward, weights streamed back); the script then also
+prints the GPU memory each optimizer needed and the offload's time breakdown.
+
+    python examples/train_gpt.py [--steps 250] [--device auto|cpu|cuda] [--async-step]
+                                 [--plot breakdown.png]
 """
 
 from __future__ import annotations
@@ -87,22 +92,30 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
+    ap.add_argument("--async-step", action="store_true", help="offload: let step() return at once")
+    ap.add_argument("--plot", metavar="FILE.png", help="draw the per-step time breakdown")
     args = ap.parse_args()
+    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu"))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    data = make_corpus(20_000, args.seed)
-    model = GPT(len(VOCAB), args.ctx, args.d_model, args.layers, args.heads)
+    data = make_corpus(20_000, args.seed).to(dev)
+    model = GPT(len(VOCAB), args.ctx, args.d_model, args.layers, args.heads).to(dev)
     twin = copy.deepcopy(model)
     n_params = sum(p.numel() for p in model.parameters())
     n_tensors = len(list(model.parameters()))
     print(
         f"GPT: {args.layers} layers, d_model {args.d_model}, {n_params / 1e6:.2f}M parameters in {n_tensors} tensors; "
-        f"offload_adam SIMD path {offload_adam.simd_path()}, {args.threads} threads"
+        f"on {dev}; offload_adam SIMD path {offload_adam.simd_path()}, {args.threads} threads"
     )
-
-    ours = offload_adam.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), num_threads=args.threads)
+    cuda = dev.type == "cuda"
+    ours = offload_adam.AdamW(
+        param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), num_threads=args.threads, async_step=args.async_step
+    )
     ref = torch.optim.AdamW(param_groups(twin, 0.1), lr=args.lr, betas=(0.9, 0.95), fused=True)
+    peak = {"offload_adam": 0, "torch": 0}
+    breakdown: list[dict[str, float]] = []
     warmup = max(1, args.steps // 10)
 
     def lr_at(step: int) -> float:
@@ -112,24 +125,34 @@ def main() -> None:
 
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_at) for o in (ours, ref)]
 
-    g = torch.Generator().manual_seed(args.seed + 1)
+    g = torch.Generator(device=dev).manual_seed(args.seed + 1)
     losses: dict[str, list[float]] = {"offload_adam": [], "torch": []}
     step_times: dict[str, list[float]] = {"offload_adam": [], "torch": []}
     bar = tqdm(range(args.steps), desc="training", unit="step")
     for step in bar:
-        starts = torch.randint(0, len(data) - args.ctx - 1, (args.batch,), generator=g)
+        starts = torch.randint(0, len(data) - args.ctx - 1, (args.batch,), generator=g, device=dev).tolist()
         x = torch.stack([data[s : s + args.ctx] for s in starts])
         y = torch.stack([data[s + 1 : s + args.ctx + 1] for s in starts])
         for name, m, opt, sched in (("offload_adam", model, ours, scheds[0]), ("torch", twin, ref, scheds[1])):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             opt.zero_grad()
             loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            if cuda:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
-            opt.step()
+            with torch.profiler.record_function(f"{name}.step"):
+                opt.step()
+            if cuda:
+                torch.cuda.synchronize()
             step_times[name].append(time.perf_counter() - t0)
             sched.step()
             losses[name].append(loss.item())
+            if cuda:
+                peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
+        breakdown.append({**ours.last_step_stats, "step_s": step_times["offload_adam"][-1]})
         bar.set_postfix(loss=f"{losses['offload_adam'][-1]:.3f}", torch=f"{losses['torch'][-1]:.3f}")
 
     tail = max(1, args.steps // 10)
@@ -144,6 +167,18 @@ def main() -> None:
         f"optimizer step, median: offload_adam {t_ours:.2f} ms, torch.optim.AdamW(fused=True) {t_ref:.2f} ms "
         f"({t_ref / t_ours:.2f}x)"
     )
+    if cuda:
+        saved = peak["torch"] - peak["offload_adam"]
+        print(
+            f"peak GPU memory: offload_adam {peak['offload_adam'] / 2**20:.1f} MiB, torch {peak['torch'] / 2**20:.1f} MiB "
+            f"(saved {saved / 2**20:.1f} MiB); optimizer host memory {ours.memory_report()['host_bytes'] / 2**20:.1f} MiB"
+        )
+    if breakdown and "cpu_step_s" in breakdown[-1]:
+        keys = ("d2h_wait_s", "cpu_step_s", "h2d_issue_s", "forward_wait_s")
+        med = {k: statistics.median(b.get(k, 0.0) for b in breakdown) * 1e3 for k in keys}
+        print("offload breakdown per step (median ms): " + ", ".join(f"{k[:-2]} {v:.2f}" for k, v in med.items()))
+    if args.plot:
+        plot(args.plot, breakdown, step_times)
     # Two fp32 optimizers that round differently drift apart step by step (training amplifies
     # any difference), so the curves are compared smoothed: a 10-step moving average.
     w = 10
@@ -157,6 +192,34 @@ def main() -> None:
     )
     if not agree:
         raise SystemExit(1)
+
+def plot(path: str, breakdown: list[dict[str, float]], step_times: dict[str, list[float]]) -> None:
+    """Per-step optimizer time of both optimizers, and the offload's breakdown when there is one."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = range(len(step_times["torch"]))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    keys = [k for k in ("d2h_wait_s", "cpu_step_s", "h2d_issue_s", "forward_wait_s") if breakdown and k in breakdown[0]]
+    if keys:
+        bottom = [0.0] * len(breakdown)
+        for k in keys:
+            vals = [b.get(k, 0.0) * 1e3 for b in breakdown]
+            ax.bar(steps, vals, bottom=bottom, width=1.0, label=f"offload_adam {k[:-2].replace('_', ' ')}")
+            bottom = [x + y for x, y in zip(bottom, vals)]
+    else:
+        ax.plot(steps, [t * 1e3 for t in step_times["offload_adam"]], lw=1, label="offload_adam step")
+    ax.plot(steps, [t * 1e3 for t in step_times["torch"]], color="black", lw=1, label="torch.optim.AdamW(fused=True) step")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("ms")
+    ax.set_title("optimizer step time per training step")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
 
 if __name__ == "__main__":
     main()

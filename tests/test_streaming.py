@@ -83,7 +83,10 @@ def test_training_matches_torch(mode: dict[str, Any]) -> None:
     assert float(ours.state[a.layers[0].weight]["step"]) == 40
 
 
-def test_param_groups_and_a_scheduler_cycling_betas() -> None:
+@pytest.mark.parametrize("async_step", [False, True])
+def test_param_groups_and_a_scheduler_cycling_betas(async_step: bool) -> None:
+    """With async_step the scheduler changes lr/betas while the step is still running: the step
+    must use the values it was started with."""
     torch.manual_seed(0)
     a, b = Net(), Net()
     b.load_state_dict(a.state_dict())
@@ -94,7 +97,8 @@ def test_param_groups_and_a_scheduler_cycling_betas() -> None:
             {"params": list(m.emb.parameters()) + list(m.norm.parameters()), "lr": 3e-3, "amsgrad": True},
         ]
 
-    ours = AdamW(groups(a), lr=1e-2, bucket_mb=0.001)
+    ours = AdamW(groups(a), lr=1e-2, bucket_mb=0.001, async_step=async_step)
+    ours._streamer.test_delay_s = 0.002 if async_step else 0.0
     ref = torch.optim.AdamW(groups(b), lr=1e-2, foreach=False)
     s1 = torch.optim.lr_scheduler.OneCycleLR(ours, max_lr=[1e-2, 3e-3], total_steps=30)
     s2 = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=[1e-2, 3e-3], total_steps=30)
@@ -104,6 +108,7 @@ def test_param_groups_and_a_scheduler_cycling_betas() -> None:
             loss_of(m, x).backward()
             o.step()
             sch.step()
+    ours.synchronize()
     assert_same_weights(a, b)
 
 

@@ -188,6 +188,9 @@ class Streamer:
         self.error: BaseException | None = None
         self.in_flight = False
         self.stats: dict[str, float] = {}
+        self._cur: dict[str, float] = {}
+        self._called: set[int] = set()  # modules whose forward has run (they wait for themselves)
+        self._wait_cache: dict[int, tuple[int, list[int]]] = {}
         me = weakref.ref(self)
 
         def pre_hook(module: torch.nn.Module, args: Any) -> None:
@@ -386,8 +389,8 @@ class Streamer:
                 self._flush(b)
 
     def discard_grads(self) -> None:
-        """``zero_grad``: the host slots no longer hold a gradient."""
-        self.synchronize()
+        """``zero_grad``: the host slots no longer hold a gradient. No wait for an async step:
+        it works on the gradients it took when it started."""
         for r in self.recs:
             r.has_grad = False
             r.pending = None
@@ -407,11 +410,22 @@ class Streamer:
     def step(self, grad_scale: float, bias_correction: bool, num_threads: int, scaler_ready: bool) -> None:
         self.synchronize()
         self._collect(scaler_ready)
-        work = [b for b in self.buckets if any(self.recs[i].has_grad for i in b.recs)]
-        self.stats = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
-        for b in work:
+        # The step takes this step's gradients now; from here the hooks (a next backward, while
+        # an async step runs) may mark new ones.
+        work: list[tuple[_Bucket, list[_Rec]]] = []
+        for b in self.buckets:
+            recs = [self.recs[i] for i in b.recs if self.recs[i].has_grad]
+            if recs:
+                work.append((b, recs))
+        self._cur = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
+        for b, recs in work:
             b.done.clear()
-        args = (work, grad_scale, bias_correction, num_threads)
+            for r in recs:
+                r.has_grad = False
+        # Hyper-parameters as they are now: an LR scheduler steps right after step() returns,
+        # while an async step may still be updating buckets.
+        hypers = {gi: {k: v for k, v in g.items() if k != "params"} for gi, g in enumerate(self.opt.param_groups)}
+        args = (work, hypers, grad_scale, bias_correction, num_threads)
         if self.async_step:
             self.in_flight = True
             self.worker = threading.Thread(target=self._run, args=args, name="offload-adam-step", daemon=True)
@@ -419,29 +433,42 @@ class Streamer:
         else:
             self._run(*args)
             self._raise()
-            for b in work:
+            for b, _ in work:
                 self.backend.current_waits(b.h2d_event)
 
-    def _run(self, work: list[_Bucket], scale: float, bias_correction: bool, num_threads: int) -> None:
-        be = self.backend
+    def _run(
+        self,
+        work: list[tuple[_Bucket, list[_Rec]]],
+        hypers: dict[int, dict[str, Any]],
+        scale: float,
+        bias_correction: bool,
+        num_threads: int,
+    ) -> None:
+        done = 0
         try:
-            for k, b in enumerate(work):
+            for k, (b, recs) in enumerate(work):
                 if self.test_delay_s:
                     time.sleep(self.test_delay_s)
                 if k == self.test_interrupt_at:
                     raise KeyboardInterrupt
-                self._step_bucket(b, scale, bias_correction, num_threads)
+                self._step_bucket(b, recs, hypers[b.group], scale, bias_correction, num_threads)
+                done = k + 1
         except BaseException as e:  # raised to the caller on the next step()/synchronize()
             self.error = e
+            # Buckets not updated keep their gradients for the next step.
+            for _, recs in work[done:]:
+                for r in recs:
+                    r.has_grad = True
         finally:
-            for b in work:
+            for b, _ in work:
                 b.done.set()
             self.in_flight = False
-        del be
+            self.stats = self._cur  # the figures of the last finished step
 
-    def _step_bucket(self, b: _Bucket, scale: float, bias_correction: bool, num_threads: int) -> None:
+    def _step_bucket(
+        self, b: _Bucket, recs: list[_Rec], group: dict[str, Any], scale: float, bias_correction: bool, num_threads: int
+    ) -> None:
         be = self.backend
-        recs = [self.recs[i] for i in b.recs if self.recs[i].has_grad]
         t0 = time.perf_counter()
         be.host_wait(b.d2h_event)
         t1 = time.perf_counter()
@@ -452,7 +479,6 @@ class Streamer:
             # loaded into the model): the master takes the model's value.
             if steps[r.index] == 0 or r.param._version != r.param_version:  # type: ignore[index]
                 r.master.copy_(r.param.detach())
-        group = self.opt.param_groups[b.group]
         with torch.profiler.record_function("offload_adam.cpu_step"):
             first = _native.host_step(
                 g.host_set, group, [r.index for r in recs], num_threads=num_threads, grad_scale=scale,
@@ -470,12 +496,11 @@ class Streamer:
                 for r in recs:
                     r.param.detach().copy_(r.copy_src, non_blocking=True)
                     r.param_version = r.param._version
-                    r.has_grad = False
                 b.h2d_event = be.record(be.h2d)
             t3 = time.perf_counter()
-            self.stats["d2h_wait_s"] += t1 - t0
-            self.stats["cpu_step_s"] += t2 - t1
-            self.stats["h2d_issue_s"] += t3 - t2
+            self._cur["d2h_wait_s"] += t1 - t0
+            self._cur["cpu_step_s"] += t2 - t1
+            self._cur["h2d_issue_s"] += t3 - t2
             b.done.set()
 
     def skip(self) -> None:
@@ -485,25 +510,41 @@ class Streamer:
         for r in self.recs:
             r.has_grad = False
 
+    def _wait_buckets(self, module: torch.nn.Module) -> list[int]:
+        """Buckets a module's forward reads: its own parameters', and those of submodules that
+        are never called themselves (``nn.MultiheadAttention`` reads ``out_proj.weight`` without
+        calling ``out_proj``), which therefore have no pre-hook of their own."""
+        key = id(module)
+        hit = self._wait_cache.get(key)
+        if hit is not None and hit[0] == len(self._called):
+            return hit[1]
+        params = [p for p in module._parameters.values() if p is not None]
+        stack = [c for c in module._modules.values() if c is not None]
+        while stack:
+            c = stack.pop()
+            if id(c) in self._called:
+                continue
+            params += [p for p in c._parameters.values() if p is not None]
+            stack += [m for m in c._modules.values() if m is not None]
+        buckets = sorted({self.recs[self.by_param[id(p)]].bucket for p in params if id(p) in self.by_param})
+        self._wait_cache[key] = (len(self._called), buckets)
+        return buckets
+
     def _forward_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        self._called.add(id(module))
         if not self.in_flight and self.worker is None:
             return
         t0 = time.perf_counter()
         waited = False
-        for p in module._parameters.values():
-            if p is None:
-                continue
-            r = self.by_param.get(id(p))
-            if r is None:
-                continue
-            b = self.buckets[self.recs[r].bucket]
+        for k in self._wait_buckets(module):
+            b = self.buckets[k]
             if not b.done.is_set():
                 waited = True
                 with torch.profiler.record_function("offload_adam.forward_wait"):
                     b.done.wait()
             self.backend.current_waits(b.h2d_event)
         if waited:
-            self.stats["forward_wait_s"] = self.stats.get("forward_wait_s", 0.0) + time.perf_counter() - t0
+            self._cur["forward_wait_s"] += time.perf_counter() - t0
 
     def synchronize(self) -> None:
         """Waits for an async step to finish and makes the current stream wait for its copies."""

@@ -1,0 +1,200 @@
+"""GPU benchmark of the offloaded optimizer: a GPT-style model of >= 1B parameters in bf16.
+
+Contenders, each on a fresh model from the same initialization, in the same process:
+  (a) torch.optim.AdamW(fused=True) on the GPU (state on the GPU),
+  (b) offload_adam.AdamW, default mode, and with async_step=True (and free_gradients=True),
+  (c) torchao's CPUOffloadOptimizer (fused torch AdamW per parameter), when torchao is importable.
+
+For each it prints the median time of a training step (forward + backward + optimizer step,
+measured from one step's start to the next's), the peak GPU memory, and for offload_adam the
+breakdown (backward, waiting for gradients, CPU step, issuing the copy-back, forward waits). It
+then checks the targets of the GPU-offload issue and writes everything as JSON.
+
+    python examples/gpu_bench.py [--layers 20 --d-model 2048] [--steps 12] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import offload_adam
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d, bias=False)
+        self.ln2 = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, 4 * d, bias=False)
+        self.out = torch.nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.proj(a)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(torch.nn.Module):
+    def __init__(self, vocab: int, ctx: int, d: int, layers: int, heads: int) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Embedding(ctx, d)
+        self.blocks = torch.nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = torch.nn.LayerNorm(d)
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for blk in self.blocks:
+            x = blk(x)
+        return self.head(self.ln(x))
+
+
+def measure(
+    name: str, make_opt: Callable[[torch.nn.Module], Any], args: argparse.Namespace, state: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    cuda = args.device == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    model = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(args.device, torch.bfloat16)
+    model.load_state_dict(state)
+    opt = make_opt(model)
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    g = torch.Generator(device=args.device).manual_seed(0)
+    steps, fwd_bwd, losses, stats = [], [], [], []
+    for i in range(args.steps):
+        x = torch.randint(0, args.vocab, (args.batch, args.ctx), device=args.device, generator=g)
+        t0 = time.perf_counter()
+        if cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        with torch.profiler.record_function(f"{name}.forward_backward"):
+            loss = F.cross_entropy(model(x).float().flatten(0, 1), x.flatten())
+            loss.backward()
+        if cuda:
+            e1.record()
+        else:
+            t_fb = time.perf_counter() - t0
+        opt.step()
+        opt.zero_grad()
+        if hasattr(opt, "synchronize") and i == args.steps - 1:
+            opt.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+        steps.append(time.perf_counter() - t0)
+        fwd_bwd.append(e0.elapsed_time(e1) / 1e3 if cuda else t_fb)
+        losses.append(loss.item())
+        if hasattr(opt, "last_step_stats"):
+            stats.append(opt.last_step_stats)
+    warm = max(1, args.steps // 3)
+    res: dict[str, Any] = {
+        "name": name,
+        "step_s": statistics.median(steps[warm:]),
+        "forward_backward_s": statistics.median(fwd_bwd[warm:]),
+        "peak_gpu_bytes": torch.cuda.max_memory_allocated() if cuda else 0,
+        "final_loss": losses[-1],
+    }
+    if stats:
+        for k in stats[-1]:
+            res[k] = statistics.median(s.get(k, 0.0) for s in stats[warm:])
+    if hasattr(opt, "memory_report"):
+        res["memory_report"] = opt.memory_report()
+    print(
+        f"{name:<40} step {res['step_s'] * 1e3:8.1f} ms  fwd+bwd {res['forward_backward_s'] * 1e3:8.1f} ms  "
+        f"peak GPU {res['peak_gpu_bytes'] / 2**30:6.2f} GiB"
+        + "".join(f"  {k[:-2]} {res[k] * 1e3:.1f} ms" for k in ("d2h_wait_s", "cpu_step_s", "h2d_issue_s", "forward_wait_s") if k in res),
+        flush=True,
+    )
+    del model, opt
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--d-model", type=int, default=2048)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--vocab", type=int, default=50304)
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--json")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    base = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(torch.bfloat16)
+    n = sum(p.numel() for p in base.parameters())
+    state = {k: v.to(args.device) for k, v in base.state_dict().items()}
+    del base
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke test)"
+    print(
+        f"GPT {args.layers}x{args.d_model}: {n / 1e9:.2f}B parameters, bf16, batch {args.batch}x{args.ctx}, "
+        f"{where}, torch {torch.__version__}, {args.threads} CPU threads"
+    )
+    kw = {"lr": 1e-4, "weight_decay": 0.1}
+    runs = [
+        ("torch AdamW(fused=True) on GPU", lambda m: torch.optim.AdamW(m.parameters(), fused=True, **kw)),
+        ("offload_adam", lambda m: offload_adam.AdamW(m.parameters(), num_threads=args.threads, **kw)),
+        ("offload_adam async_step", lambda m: offload_adam.AdamW(m.parameters(), async_step=True, num_threads=args.threads, **kw)),
+        (
+            "offload_adam async_step free_gradients",
+            lambda m: offload_adam.AdamW(m.parameters(), async_step=True, free_gradients=True, num_threads=args.threads, **kw),
+        ),
+    ]
+    try:
+        from torchao.optim import CPUOffloadOptimizer
+
+        runs.append(("torchao CPUOffloadOptimizer", lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, fused=True, **kw)))
+        runs.append((
+            "torchao CPUOffloadOptimizer offload_gradients",
+            lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True, **kw),
+        ))
+    except ImportError:
+        print("torchao is not importable: its CPUOffloadOptimizer is not measured")
+    results = {}
+    for name, make in runs:
+        try:
+            results[name] = measure(name, make, args, state)
+        except torch.OutOfMemoryError as e:
+            print(f"{name}: out of GPU memory ({e})")
+    a = results.get("torch AdamW(fused=True) on GPU")
+    b, ba = results.get("offload_adam"), results.get("offload_adam async_step")
+    checks = {}
+    if a and b and args.device == "cuda":
+        checks["peak GPU memory (b) <= 0.5x (a)"] = b["peak_gpu_bytes"] <= 0.5 * a["peak_gpu_bytes"]
+    if b:
+        bound = 1.1 * (b["forward_backward_s"] + b.get("cpu_step_s", 0.0))
+        checks["default step <= 1.1x (fwd+bwd + CPU step)"] = b["step_s"] <= bound
+    if ba:
+        bound = 1.1 * max(ba["forward_backward_s"], ba.get("cpu_step_s", 0.0))
+        checks["async step <= 1.1x max(fwd+bwd, CPU step)"] = ba["step_s"] <= bound
+    c = results.get("torchao CPUOffloadOptimizer")
+    if c and b and ba:
+        checks["(b) faster than (c), both modes"] = b["step_s"] < c["step_s"] and ba["step_s"] < c["step_s"]
+    for k, v in checks.items():
+        print(f"{'PASS' if v else 'FAIL'}  {k}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"params": n, "results": results, "checks": checks}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

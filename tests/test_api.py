@@ -278,3 +278,39 @@ def test_exports() -> None:
     assert offload_adam.simd_path() in offload_adam.simd_paths()
     assert offload_adam.__version__
     assert len(SHAPES) > 3
+
+
+def test_grad_scaler_and_clip_fast_path_on_cpu_parameters() -> None:
+    ps = make_params()
+    qs = clone_params(ps)
+    ours = AdamW(ps, lr=1e-3)
+    ref = torch.optim.AdamW(qs, lr=1e-3, foreach=False)
+    sa = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    sb = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+    for t in range(12):
+        sa.scale(torch.ones(()))  # a real loop scales its loss; this initializes the scale
+        sb.scale(torch.ones(()))
+        for p, q in zip(ps, qs):
+            g = torch.randn(p.shape) * sa.get_scale()
+            if t == 5 and g.numel():
+                g.view(-1)[0] = float("inf")
+            p.grad, q.grad = g, g.clone()
+        sa.step(ours)
+        sa.update()
+        sb.step(ref)
+        sb.update()
+    assert sa.get_scale() == sb.get_scale()
+    assert float(ours.state[ps[0]]["step"]) == 11
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
+    # the clip fast path: torch's norm, coefficient folded into the next step
+    for p, q in zip(ps, qs):
+        g = torch.randn(p.shape) * 10
+        p.grad, q.grad = g, g.clone()
+    norm = ours.clip_grad_norm_(1.0)
+    want = torch.nn.utils.clip_grad_norm_(qs, 1.0)
+    assert abs(float(norm) - float(want)) <= 1e-5 * float(want)
+    ours.step()
+    ref.step()
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
+    with pytest.raises(ValueError, match="norm_type"):
+        ours.clip_grad_norm_(1.0, norm_type=1.0)

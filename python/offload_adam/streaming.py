@@ -72,6 +72,12 @@ class _Backend:
     def record(self, stream: Any) -> Any:
         return None
 
+    def record_current(self) -> Any:
+        return None
+
+    def stream_waits(self, stream: Any, event: Any) -> None:
+        pass
+
     def host_wait(self, event: Any) -> None:
         pass
 
@@ -97,10 +103,11 @@ class _CudaBackend(_Backend):
         t = torch.zeros(n, dtype=dtype)
         nbytes = t.untyped_storage().nbytes()
         if nbytes:
-            rc = self._cudart.cudaHostRegister(t.data_ptr(), nbytes, 0)
+            rc = self._cudart.cudaHostRegister(t.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
             if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with error {int(rc)}")
-            weakref.finalize(t.untyped_storage(), self._cudart.cudaHostUnregister, t.data_ptr())
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
+            # The optimizer keeps `t` for its lifetime; views that outlive it stay valid (pageable).
+            weakref.finalize(t, self._cudart.cudaHostUnregister, t.data_ptr())
         return t
 
     def staging(self, like: Tensor) -> Tensor:
@@ -118,6 +125,12 @@ class _CudaBackend(_Backend):
         e = torch.cuda.Event()
         e.record(stream)
         return e
+
+    def record_current(self) -> Any:
+        return self.record(torch.cuda.current_stream(self.device))
+
+    def stream_waits(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
 
     def host_wait(self, event: Any) -> None:
         if event is not None:
@@ -189,6 +202,7 @@ class Streamer:
         self.in_flight = False
         self.stats: dict[str, float] = {}
         self._cur: dict[str, float] = {}
+        self._backward_done: Any = None
         self._called: set[int] = set()  # modules whose forward has run (they wait for themselves)
         self._wait_cache: dict[int, tuple[int, list[int]]] = {}
         me = weakref.ref(self)
@@ -425,6 +439,9 @@ class Streamer:
         # Hyper-parameters as they are now: an LR scheduler steps right after step() returns,
         # while an async step may still be updating buckets.
         hypers = {gi: {k: v for k, v in g.items() if k != "params"} for gi, g in enumerate(self.opt.param_groups)}
+        # Weights may be overwritten once the work queued so far (the backward that read them)
+        # is done; the copy-back waits for this point only, not for a next forward.
+        self._backward_done = self.backend.record_current()
         args = (work, hypers, grad_scale, bias_correction, num_threads)
         if self.async_step:
             self.in_flight = True
@@ -491,7 +508,7 @@ class Streamer:
             for i in first:
                 self.opt._init_streamed_state(b.group, i)
         finally:
-            be.side_waits_current(be.h2d)
+            be.stream_waits(be.h2d, self._backward_done)
             with torch.profiler.record_function("offload_adam.h2d"), be.on(be.h2d):
                 for r in recs:
                     r.param.detach().copy_(r.copy_src, non_blocking=True)

@@ -243,14 +243,7 @@ impl ParamSet {
 
     /// Gives the set its amsgrad buffer (same length and dtype as exp_avg).
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
-        let x = Import::new(buf, "max_exp_avg_sq buffer")?;
-        x.require(self.state_dtype(), "max_exp_avg_sq buffer")?;
-        if x.len != self.state_len() {
-            return Err(PyValueError::new_err("max_exp_avg_sq buffer: length differs from exp_avg"));
-        }
-        if overlaps(&self.writable, x.range().0, x.range().1) {
-            return Err(PyValueError::new_err("max_exp_avg_sq buffer: shares memory with the other buffers"));
-        }
+        let x = import_max_exp_avg_sq(buf, self.state_dtype(), self.state_len(), &self.writable)?;
         let _busy = self.busy.try_lock().map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
         *self.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
         Ok(())
@@ -274,6 +267,25 @@ impl ParamSet {
         }
         check_disjoint(ranges).map(|_| ())
     }
+}
+
+/// Imports the amsgrad buffer of a set whose moments are `len` elements of `dtype`, and whose
+/// other buffers occupy the sorted byte ranges `writable`.
+pub(crate) fn import_max_exp_avg_sq(
+    buf: &Bound<'_, PyAny>,
+    dtype: DType,
+    len: usize,
+    writable: &[(usize, usize)],
+) -> PyResult<Import> {
+    let x = Import::new(buf, "max_exp_avg_sq buffer")?;
+    x.require(dtype, "max_exp_avg_sq buffer")?;
+    if x.len != len {
+        return Err(PyValueError::new_err("max_exp_avg_sq buffer: length differs from exp_avg"));
+    }
+    if overlaps(writable, x.range().0, x.range().1) {
+        return Err(PyValueError::new_err("max_exp_avg_sq buffer: shares memory with the other buffers"));
+    }
+    Ok(x)
 }
 
 /// The hyper-parameters of a torch param group.

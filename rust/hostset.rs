@@ -10,7 +10,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rayon::prelude::*;
 
-use crate::bindings::{check_disjoint, grad_ref, hyper, pool, simd_or_default, slice_mut, state_mut, GradInfo};
+use crate::bindings::{
+    check_disjoint, grad_ref, hyper, import_max_exp_avg_sq, pool, simd_or_default, slice_mut, state_mut, GradInfo,
+};
 use crate::dlpack::{DType, Import};
 use crate::elem::{Bf16, Elem, F16};
 use crate::kernel::{self, Consts, GradRef, OutMut, Segment};
@@ -38,6 +40,8 @@ pub struct HostSet {
     steps: Import,
     grads: [Option<Import>; 3],
     outs: [Option<Import>; 3],
+    /// Byte ranges of the buffers above, sorted (a later amsgrad buffer must not overlap them).
+    writable: Vec<(usize, usize)>,
     busy: Mutex<()>,
 }
 
@@ -138,7 +142,7 @@ impl HostSet {
                 bufs.push((b.range().0, b.range().1, format!("buffer {k}")));
             }
         }
-        check_disjoint(bufs)?;
+        let writable = check_disjoint(bufs)?;
         let set = HostSet {
             slots,
             master,
@@ -148,6 +152,7 @@ impl HostSet {
             steps,
             grads: gs,
             outs: os,
+            writable,
             busy: Mutex::new(()),
         };
         if let Some(x) = max_exp_avg_sq {
@@ -157,11 +162,7 @@ impl HostSet {
     }
 
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
-        let x = Import::new(buf, "max_exp_avg_sq buffer")?;
-        x.require(self.exp_avg.dtype, "max_exp_avg_sq buffer")?;
-        if x.len != self.exp_avg.len {
-            return Err(PyValueError::new_err("max_exp_avg_sq buffer: length differs from exp_avg"));
-        }
+        let x = import_max_exp_avg_sq(buf, self.exp_avg.dtype, self.exp_avg.len, &self.writable)?;
         let _busy = self.busy.try_lock().map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
         *self.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
         Ok(())

@@ -198,3 +198,33 @@ def test_param_set_keeps_its_buffers_alive() -> None:
     _native.adam_step(opt._sets, opt.param_groups, num_threads=1)
     assert all(float(j.sum()) == 700.0 for j in junk)
     assert addr != 0 and ps[0].detach().abs().max() < 10
+
+
+@pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("src_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_grad_accumulate_rounds_like_torch(dst_dtype: torch.dtype, src_dtype: torch.dtype) -> None:
+    n = 2 * _native.CHUNK + 7
+    dst = torch.randn(n).to(dst_dtype)
+    src = torch.randn(n).to(src_dtype)
+    want = (dst.float() + src.float()).to(dst_dtype)  # torch: computed in fp32, rounded once
+    _native.grad_accumulate(dst, src, num_threads=2)
+    assert torch.equal(dst, want)
+    with pytest.raises(ValueError, match="src: has 3 elements"):
+        _native.grad_accumulate(dst, src[:3])
+    with pytest.raises(ValueError, match="share memory"):
+        _native.grad_accumulate(dst, dst)
+
+
+def test_host_set_refuses_overlapping_buffers() -> None:
+    n = 32
+    master, m, v, steps, g = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(1), torch.zeros(n)
+    hs = _native.HostSet([0], [n], [0], [0], master, m, v, steps, [g, None, None], [None, None, None])
+    with pytest.raises(ValueError, match="shares memory"):
+        hs.set_max_exp_avg_sq(v)
+    with pytest.raises(ValueError, match="past the end"):
+        _native.HostSet([0], [n + 1], [0], [0], master, m, v, steps, [g, None, None], [None, None, None])
+    with pytest.raises(ValueError, match="share memory"):
+        _native.HostSet([0], [n], [0], [0], master, m, m, steps, [g, None, None], [None, None, None])
+    with pytest.raises(ValueError, match="indices"):
+        _native.host_step(hs, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                               "decoupled_weight_decay": True, "amsgrad": False, "maximize": False}, [0, 0], num_threads=1)

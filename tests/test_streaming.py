@@ -372,3 +372,15 @@ def test_cuda_parameters_on_two_devices_or_mixed_with_cpu() -> None:
         r = torch.nn.Parameter(torch.randn(4, device="cuda:1"))
         with pytest.raises(ValueError, match="one optimizer per GPU"):
             AdamW([{"params": [p]}, {"params": [r]}])
+
+
+def test_amsgrad_switched_on_later() -> None:
+    a, b, ours, ref = twins()
+    for i, x in enumerate(batches(10)):
+        if i == 5:
+            ours.param_groups[0]["amsgrad"] = True
+        ours.zero_grad()
+        loss_of(a, x).backward()
+        ours.step()
+    st = ours.state[a.layers[0].weight]
+    assert torch.all(st["max_exp_avg_sq"] >= st["exp_avg_sq"])

@@ -384,3 +384,18 @@ def test_amsgrad_switched_on_later() -> None:
         ours.step()
     st = ours.state[a.layers[0].weight]
     assert torch.all(st["max_exp_avg_sq"] >= st["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("free", [False, True])
+def test_gradients_reach_the_host_during_backward(free: bool) -> None:
+    """Every bucket is copied by the backward hooks, before step(): a parameter that never gets
+    a gradient (the unused layer) does not hold its bucket back after the first step."""
+    a, _, ours, _ = twins(free_gradients=free)
+    st = ours._streamer
+    for i, x in enumerate(batches(3)):
+        ours.zero_grad()
+        loss_of(a, x).backward()
+        used = [r for r in st.recs if r.param is not a.unused.weight and r.param is not a.unused.bias]
+        if i > 0:
+            assert all(r.has_grad and r.pending is None for r in used)
+        ours.step()

@@ -392,9 +392,12 @@ class Adam(Optimizer):
                 "gradients, which free_gradients frees; use free_gradients=False (bf16 needs no scaler)"
             )
         scale = (1.0 / float(grad_scale)) if grad_scale is not None else 1.0
-        self._ensure_amsgrad_buffers()
         scale *= self._clip_coef
-        self._clip_coef = 1.0
+        self._ensure_amsgrad_buffers()
+        if self._streamer is not None:
+            # Checked before the CPU groups move, so that a refused step changes nothing.
+            self._streamer.synchronize()
+            self._streamer.check_params()
         direct = [(s, g) for s, g in zip(self._sets, self.param_groups) if s is not None]
         if direct:
             first = _native.adam_step(
@@ -410,6 +413,7 @@ class Adam(Optimizer):
                     self._init_state(gi, i)
         if self._streamer is not None:
             self._streamer.step(scale, self._bias_correction, self._num_threads, scaler_ready)
+        self._clip_coef = 1.0
         return loss
 
     def synchronize(self) -> None:

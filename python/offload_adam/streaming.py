@@ -170,6 +170,9 @@ class _Bucket:
     group: int
     recs: list[int]
     ready_count: int = 0
+    # Gradients to wait for before copying: those that arrived last step (a parameter that
+    # never gets one, an unused layer, must not hold its bucket back until step()).
+    expected: int = 0
     d2h_event: Any = None
     h2d_event: Any = None
     done: threading.Event = field(default_factory=threading.Event)
@@ -332,7 +335,7 @@ class Streamer:
         r.accumulate = r.has_grad and self.free_gradients
         b = self.buckets[r.bucket]
         b.ready_count += 1
-        if b.ready_count >= len(b.recs):
+        if b.ready_count >= (b.expected or len(b.recs)):
             self._flush(b)
 
     def _flush(self, b: _Bucket) -> None:
@@ -434,6 +437,7 @@ class Streamer:
         self._cur = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
         for b, recs in work:
             b.done.clear()
+            b.expected = len(recs)
             for r in recs:
                 r.has_grad = False
         # Hyper-parameters as they are now: an LR scheduler steps right after step() returns,

@@ -520,6 +520,8 @@ fn adam_step(
     // 2. Build the kernel's view of the buffers.
     let mut new_steps = Vec::with_capacity(work.len());
     let mut segments = Vec::with_capacity(work.len());
+    // Parameters of a group usually share their step count: compute its scalars once.
+    let mut last: Option<(usize, u64, Consts)> = None;
     for (si, ei, info) in &work {
         let set = &sets[*si];
         let e = &set.entries[*ei];
@@ -549,7 +551,14 @@ fn adam_step(
                 }
             };
             Segment {
-                consts: Consts::new(h, next),
+                consts: match last {
+                    Some((s, n, c)) if s == *si && n == next => c,
+                    _ => {
+                        let c = Consts::new(h, next);
+                        last = Some((*si, next, c));
+                        c
+                    }
+                },
                 amsgrad: h.amsgrad,
                 param,
                 grad: grad_ref(info, e.len),

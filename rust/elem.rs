@@ -84,8 +84,6 @@ pub fn f32_to_f16(f: f32) -> u16 {
 
 /// An element type of a gradient, moment or weight-copy buffer.
 pub trait Elem: Copy + Default + PartialEq + Send + Sync + 'static {
-    /// Name used in error messages.
-    const NAME: &'static str;
     fn to_f32(self) -> f32;
     fn from_f32(x: f32) -> Self;
     /// True for an infinity or a NaN, read from the bits.
@@ -93,7 +91,6 @@ pub trait Elem: Copy + Default + PartialEq + Send + Sync + 'static {
 }
 
 impl Elem for f32 {
-    const NAME: &'static str = "float32";
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -109,7 +106,6 @@ impl Elem for f32 {
 }
 
 impl Elem for Bf16 {
-    const NAME: &'static str = "bfloat16";
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16_to_f32(self.0)
@@ -125,7 +121,6 @@ impl Elem for Bf16 {
 }
 
 impl Elem for F16 {
-    const NAME: &'static str = "float16";
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f16_to_f32(self.0)

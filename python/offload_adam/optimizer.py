@@ -447,6 +447,7 @@ class Adam(Optimizer):
                 views += [p.grad for p in g["params"] if p.grad is not None]
         if self._streamer is not None:
             self._streamer.synchronize()
+            self._streamer.check_params()
             self._streamer._collect(False)
             self._streamer.wait_arrivals()
             views += self._streamer.grad_views()

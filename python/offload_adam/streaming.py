@@ -151,6 +151,7 @@ class _Rec:
     param: Tensor
     name: str
     master_dtype: torch.dtype  # the parameter's dtype when the optimizer was built
+    data_ptr: int  # the address of its storage then
     group: int
     index: int
     bucket: int
@@ -277,7 +278,9 @@ class Streamer:
             master_view = self._view(master, state_off[i], p)
             copy_src = master_view if k == 0 else grad_view
             r = len(self.recs)
-            self.recs.append(_Rec(p, names[i], p.dtype, gi, i, len(self.buckets), grad_view, copy_src, master_view))
+            self.recs.append(
+                _Rec(p, names[i], p.dtype, p.data_ptr(), gi, i, len(self.buckets), grad_view, copy_src, master_view)
+            )
             self.by_param[id(p)] = r
             self.hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook))
             bucket.append(r)
@@ -375,10 +378,11 @@ class Streamer:
                 _native.grad_accumulate(r.grad_slot, staging)
 
     def check_params(self) -> None:
-        """Raises if a parameter was moved or re-typed after the optimizer was built."""
+        """Raises if a parameter was moved or re-typed after the optimizer was built: its storage
+        was replaced (our copies write into the storage in place, so its address never changes)."""
         for r in self.recs:
             p = r.param
-            if p.dtype != r.master_dtype or p.device != self.device or p.shape != r.master.shape:
+            if p.data_ptr() != r.data_ptr or p.dtype is not r.master_dtype:
                 raise RuntimeError(
                     f"{r.name}: moved or changed after the optimizer was built (now {p.dtype} on {p.device}, "
                     f"shape {tuple(p.shape)}); build the optimizer after model.to()/.half()/..."
@@ -386,8 +390,8 @@ class Streamer:
 
     def _collect(self, scaler_ready: bool) -> None:
         """Before a step: copy gradients the hooks did not see, or that changed after their copy
-        (``clip_grad_norm_`` on the model, a manual edit); flush partial buckets."""
-        self.check_params()
+        (``clip_grad_norm_`` on the model, a manual edit); flush partial buckets. The caller ran
+        ``check_params``."""
         for r in self.recs:
             g = r.param.grad
             if g is None or r.pending is not None:
@@ -426,6 +430,7 @@ class Streamer:
 
     def step(self, grad_scale: float, bias_correction: bool, num_threads: int, scaler_ready: bool) -> None:
         self.synchronize()
+        self.check_params()
         self._collect(scaler_ready)
         # The step takes this step's gradients now; from here the hooks (a next backward, while
         # an async step runs) may mark new ones.
@@ -525,11 +530,10 @@ class Streamer:
             b.done.set()
 
     def skip(self) -> None:
-        """A step GradScaler skips: this step's gradients are dropped, nothing advances."""
+        """A step GradScaler skips: nothing advances, and the host copies of this step's
+        gradients are dropped (gradients still on the GPU are copied again if a step uses them)."""
         self.synchronize()
-        self._collect(False)
-        for r in self.recs:
-            r.has_grad = False
+        self.discard_grads()
 
     def _wait_buckets(self, module: torch.nn.Module) -> list[int]:
         """Buckets a module's forward reads: its own parameters', and those of submodules that

@@ -470,21 +470,22 @@ class Streamer:
         bias_correction: bool,
         num_threads: int,
     ) -> None:
-        done = 0
         try:
-            for k, (b, recs) in enumerate(work):
-                if self.test_delay_s:
-                    time.sleep(self.test_delay_s)
-                if k == self.test_interrupt_at:
-                    raise KeyboardInterrupt
-                self._step_bucket(b, recs, hypers[b.group], scale, bias_correction, num_threads)
-                done = k + 1
+            with torch.no_grad():  # grad mode is per thread, and on in a new one
+                for k, (b, recs) in enumerate(work):
+                    if self.test_delay_s:
+                        time.sleep(self.test_delay_s)
+                    if k == self.test_interrupt_at:
+                        raise KeyboardInterrupt
+                    self._step_bucket(b, recs, hypers[b.group], scale, bias_correction, num_threads)
         except BaseException as e:  # raised to the caller on the next step()/synchronize()
             self.error = e
-            # Buckets not updated keep their gradients for the next step.
-            for _, recs in work[done:]:
-                for r in recs:
-                    r.has_grad = True
+            # Buckets not updated (`done` is set once a bucket's weights are on their way back)
+            # keep their gradients for the next step.
+            for b, recs in work:
+                if not b.done.is_set():
+                    for r in recs:
+                        r.has_grad = True
         finally:
             for b, _ in work:
                 b.done.set()
@@ -499,11 +500,10 @@ class Streamer:
         be.host_wait(b.d2h_event)
         t1 = time.perf_counter()
         g = self.groups[b.group]
-        steps = g.buffers["steps"]
         for r in recs:
-            # First step, or the model's weights were written since our copy-back (a checkpoint
-            # loaded into the model): the master takes the model's value.
-            if steps[r.index] == 0 or r.param._version != r.param_version:  # type: ignore[index]
+            # First step (no copy-back yet), or the model's weights were written since our
+            # copy-back (a checkpoint loaded into the model): the master takes the model's value.
+            if r.param._version != r.param_version:
                 r.master.copy_(r.param.detach())
         with torch.profiler.record_function("offload_adam.cpu_step"):
             first = _native.host_step(

@@ -38,7 +38,8 @@ wheel: $(DEPS)
 
 lint: install
 	$(BIN)/python -m mypy python/offload_adam
-	cargo clippy --features python -- -D warnings
+	cargo fmt --check
+	cargo clippy --features python --tests -- -D warnings
 
 clean:
 	rm -rf $(VENV) target dist asv_bench/.asv

@@ -9,9 +9,9 @@
 use std::sync::Mutex;
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::intern;
 use pyo3::types::{PyDict, PyWeakrefMethods, PyWeakrefReference};
 
 use crate::dlpack::{DType, Import};
@@ -142,13 +142,17 @@ impl ParamSet {
     ) -> PyResult<ParamSet> {
         let n = params.len();
         if exports.len() != n || offsets.len() != n || names.len() != n {
-            return Err(PyValueError::new_err("params, exports, offsets and names must have one entry per parameter"));
+            return Err(PyValueError::new_err(
+                "params, exports, offsets and names must have one entry per parameter",
+            ));
         }
         let t = torch(py)?;
         let exp_avg = Import::new(exp_avg, "exp_avg buffer")?;
         let exp_avg_sq = Import::new(exp_avg_sq, "exp_avg_sq buffer")?;
         if exp_avg.dtype == DType::F16 {
-            return Err(PyTypeError::new_err("exp_avg buffer: state dtype must be float32 or bfloat16"));
+            return Err(PyTypeError::new_err(
+                "exp_avg buffer: state dtype must be float32 or bfloat16",
+            ));
         }
         exp_avg_sq.require(exp_avg.dtype, "exp_avg_sq buffer")?;
         if exp_avg_sq.len != exp_avg.len {
@@ -157,7 +161,10 @@ impl ParamSet {
         let steps = Import::new(steps, "steps buffer")?;
         steps.require(DType::F32, "steps buffer")?;
         if steps.len != n {
-            return Err(PyValueError::new_err(format!("steps buffer: needs {n} elements, has {}", steps.len)));
+            return Err(PyValueError::new_err(format!(
+                "steps buffer: needs {n} elements, has {}",
+                steps.len
+            )));
         }
         let master = master.map(|m| Import::new(m, "master buffer")).transpose()?;
         if let Some(m) = &master {
@@ -173,23 +180,37 @@ impl ParamSet {
             let complex = dtype.is(&t.complex64);
             let expected = if complex { 2 * numel } else { numel };
             if export.len != expected {
-                return Err(PyValueError::new_err(format!("{name}: export has {} elements, expected {expected}", export.len)));
+                return Err(PyValueError::new_err(format!(
+                    "{name}: export has {} elements, expected {expected}",
+                    export.len
+                )));
             }
             if complex && export.dtype != DType::F32 {
-                return Err(PyTypeError::new_err(format!("{name}: complex parameters must be complex64")));
+                return Err(PyTypeError::new_err(format!(
+                    "{name}: complex parameters must be complex64"
+                )));
             }
             let data_ptr: usize = p.call_method0(intern!(py, "data_ptr"))?.extract()?;
             if numel > 0 && data_ptr != export.addr() {
-                return Err(PyValueError::new_err(format!("{name}: the export is not the parameter's own memory")));
+                return Err(PyValueError::new_err(format!(
+                    "{name}: the export is not the parameter's own memory"
+                )));
             }
             let end = offsets[i].checked_add(export.len).filter(|&e| e <= exp_avg.len);
             if end.is_none() {
-                return Err(PyValueError::new_err(format!("{name}: state slot past the end of the flat buffers")));
+                return Err(PyValueError::new_err(format!(
+                    "{name}: state slot past the end of the flat buffers"
+                )));
             }
             if export.dtype != DType::F32 {
                 match &master {
                     Some(m) if offsets[i] + export.len <= m.len => {}
-                    _ => return Err(PyValueError::new_err(format!("{name}: a {} parameter needs a float32 master slot", export.dtype.name()))),
+                    _ => {
+                        return Err(PyValueError::new_err(format!(
+                            "{name}: a {} parameter needs a float32 master slot",
+                            export.dtype.name()
+                        )))
+                    }
                 }
             }
             let strides = if export.contiguous {
@@ -211,15 +232,25 @@ impl ParamSet {
             });
         }
         // State slots must not overlap either.
-        let mut slots: Vec<(usize, usize, String)> =
-            entries.iter().map(|e| (e.offset, e.offset + e.len, e.name.clone())).collect();
+        let mut slots: Vec<(usize, usize, String)> = entries
+            .iter()
+            .map(|e| (e.offset, e.offset + e.len, e.name.clone()))
+            .collect();
         slots.sort_by_key(|s| s.0);
         for w in slots.windows(2) {
             if w[1].0 < w[0].1 && w[0].1 > w[0].0 && w[1].1 > w[1].0 {
-                return Err(PyValueError::new_err(format!("{} and {}: overlapping state slots", w[0].2, w[1].2)));
+                return Err(PyValueError::new_err(format!(
+                    "{} and {}: overlapping state slots",
+                    w[0].2, w[1].2
+                )));
             }
         }
-        for (b, what) in [(Some(&exp_avg), "exp_avg buffer"), (Some(&exp_avg_sq), "exp_avg_sq buffer"), (Some(&steps), "steps buffer"), (master.as_ref(), "master buffer")] {
+        for (b, what) in [
+            (Some(&exp_avg), "exp_avg buffer"),
+            (Some(&exp_avg_sq), "exp_avg_sq buffer"),
+            (Some(&steps), "steps buffer"),
+            (master.as_ref(), "master buffer"),
+        ] {
             if let Some(b) = b {
                 ranges.push((b.range().0, b.range().1, what.to_string()));
             }
@@ -244,7 +275,10 @@ impl ParamSet {
     /// Gives the set its amsgrad buffer (same length and dtype as exp_avg).
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let x = import_max_exp_avg_sq(buf, self.state_dtype(), self.state_len(), &self.writable)?;
-        let _busy = self.busy.try_lock().map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
+        let _busy = self
+            .busy
+            .try_lock()
+            .map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
         *self.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
         Ok(())
     }
@@ -260,10 +294,17 @@ impl ParamSet {
 
     /// Raises if a parameter of this set shares memory with one of `others`.
     fn check_disjoint(&self, others: Vec<PyRef<'_, ParamSet>>) -> PyResult<()> {
-        let mut ranges: Vec<(usize, usize, String)> =
-            self.entries.iter().map(|e| (e.export.range().0, e.export.range().1, e.name.clone())).collect();
+        let mut ranges: Vec<(usize, usize, String)> = self
+            .entries
+            .iter()
+            .map(|e| (e.export.range().0, e.export.range().1, e.name.clone()))
+            .collect();
         for o in &others {
-            ranges.extend(o.entries.iter().map(|e| (e.export.range().0, e.export.range().1, e.name.clone())));
+            ranges.extend(
+                o.entries
+                    .iter()
+                    .map(|e| (e.export.range().0, e.export.range().1, e.name.clone())),
+            );
         }
         check_disjoint(ranges).map(|_| ())
     }
@@ -280,10 +321,14 @@ pub(crate) fn import_max_exp_avg_sq(
     let x = Import::new(buf, "max_exp_avg_sq buffer")?;
     x.require(dtype, "max_exp_avg_sq buffer")?;
     if x.len != len {
-        return Err(PyValueError::new_err("max_exp_avg_sq buffer: length differs from exp_avg"));
+        return Err(PyValueError::new_err(
+            "max_exp_avg_sq buffer: length differs from exp_avg",
+        ));
     }
     if overlaps(writable, x.range().0, x.range().1) {
-        return Err(PyValueError::new_err("max_exp_avg_sq buffer: shares memory with the other buffers"));
+        return Err(PyValueError::new_err(
+            "max_exp_avg_sq buffer: shares memory with the other buffers",
+        ));
     }
     Ok(x)
 }
@@ -296,7 +341,9 @@ pub(crate) fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_
             .ok_or_else(|| PyValueError::new_err(format!("param group {gi}: missing key {k:?}")))
     };
     let f = |k: &str| -> PyResult<f64> {
-        get(k)?.extract::<f64>().map_err(|_| PyTypeError::new_err(format!("param group {gi}: {k} must be a float")))
+        get(k)?
+            .extract::<f64>()
+            .map_err(|_| PyTypeError::new_err(format!("param group {gi}: {k} must be a float")))
     };
     let b = |k: &str| -> PyResult<bool> { get(k)?.is_truthy() };
     let betas = get("betas")?;
@@ -315,7 +362,8 @@ pub(crate) fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_
         bias_correction,
         grad_scale,
     };
-    h.validate().map_err(|e| PyValueError::new_err(format!("param group {gi}: {e}")))?;
+    h.validate()
+        .map_err(|e| PyValueError::new_err(format!("param group {gi}: {e}")))?;
     Ok(h)
 }
 
@@ -338,10 +386,14 @@ fn grad_info(e: &Entry, g: &Bound<'_, PyAny>, t: &Torch) -> PyResult<GradInfo> {
     let dt = g.getattr(intern!(py, "dtype"))?;
     let dtype = if e.complex {
         if !dt.is(&t.complex64) {
-            return Err(PyTypeError::new_err(format!("{name}: gradient dtype must be complex64 like the parameter, got {dt}")));
+            return Err(PyTypeError::new_err(format!(
+                "{name}: gradient dtype must be complex64 like the parameter, got {dt}"
+            )));
         }
         if g.call_method0(intern!(py, "is_conj"))?.is_truthy()? || g.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
-            return Err(PyValueError::new_err(format!("{name}: gradient has a lazy conj/neg bit; resolve it first")));
+            return Err(PyValueError::new_err(format!(
+                "{name}: gradient has a lazy conj/neg bit; resolve it first"
+            )));
         }
         DType::F32
     } else if dt.is(&t.float32) {
@@ -351,15 +403,22 @@ fn grad_info(e: &Entry, g: &Bound<'_, PyAny>, t: &Torch) -> PyResult<GradInfo> {
     } else if dt.is(&t.float16) {
         DType::F16
     } else {
-        return Err(PyTypeError::new_err(format!("{name}: gradient dtype must be float32, bfloat16 or float16, got {dt}")));
+        return Err(PyTypeError::new_err(format!(
+            "{name}: gradient dtype must be float32, bfloat16 or float16, got {dt}"
+        )));
     };
     if !g.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
         let dev = g.getattr(intern!(py, "device"))?;
-        return Err(PyValueError::new_err(format!("{name}: gradient is on {dev}, the parameter on the CPU")));
+        return Err(PyValueError::new_err(format!(
+            "{name}: gradient is on {dev}, the parameter on the CPU"
+        )));
     }
     let numel: usize = g.call_method0(intern!(py, "numel"))?.extract()?;
     if numel != e.numel {
-        return Err(PyValueError::new_err(format!("{name}: gradient has {numel} elements, the parameter {}", e.numel)));
+        return Err(PyValueError::new_err(format!(
+            "{name}: gradient has {numel} elements, the parameter {}",
+            e.numel
+        )));
     }
     let same_layout = match &e.strides {
         None => g.call_method0(intern!(py, "is_contiguous"))?.is_truthy()?,
@@ -373,7 +432,9 @@ fn grad_info(e: &Entry, g: &Bound<'_, PyAny>, t: &Torch) -> PyResult<GradInfo> {
     }
     let ptr: usize = g.call_method0(intern!(py, "data_ptr"))?.extract()?;
     if numel > 0 && !ptr.is_multiple_of(dtype.size()) {
-        return Err(PyValueError::new_err(format!("{name}: gradient data is not aligned to its elements")));
+        return Err(PyValueError::new_err(format!(
+            "{name}: gradient data is not aligned to its elements"
+        )));
     }
     Ok(GradInfo { ptr, dtype })
 }
@@ -443,21 +504,32 @@ fn adam_step(
     let t = torch(py)?;
     let mut caches: Vec<_> = sets
         .iter()
-        .map(|s| s.busy.try_lock().map_err(|_| PyRuntimeError::new_err("another step is running on this optimizer")))
+        .map(|s| {
+            s.busy
+                .try_lock()
+                .map_err(|_| PyRuntimeError::new_err("another step is running on this optimizer"))
+        })
         .collect::<PyResult<_>>()?;
     for (c, s) in caches.iter_mut().zip(&sets) {
         c.resize_with(s.entries.len(), || None);
     }
-    let vmaxes: Vec<_> = sets.iter().map(|s| s.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner())).collect();
+    let vmaxes: Vec<_> = sets
+        .iter()
+        .map(|s| s.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()))
+        .collect();
 
     // 1. Check everything, touch nothing.
     let mut hypers = Vec::with_capacity(sets.len());
     for (gi, (set, group)) in sets.iter().zip(&groups).enumerate() {
         let h = hyper(group, gi, grad_scale, bias_correction)?;
         if h.amsgrad && vmaxes[gi].is_none() {
-            return Err(PyRuntimeError::new_err(format!("param group {gi}: amsgrad needs a max_exp_avg_sq buffer")));
+            return Err(PyRuntimeError::new_err(format!(
+                "param group {gi}: amsgrad needs a max_exp_avg_sq buffer"
+            )));
         }
-        let params = group.get_item("params")?.ok_or_else(|| PyValueError::new_err("param group without params"))?;
+        let params = group
+            .get_item("params")?
+            .ok_or_else(|| PyValueError::new_err("param group without params"))?;
         if params.len()? != set.entries.len() {
             return Err(PyValueError::new_err(format!(
                 "param group {gi}: has {} params, the optimizer was built with {}; use add_param_group to add parameters",
@@ -577,7 +649,8 @@ fn adam_step(
 
     // 3. Run with the GIL released; only a validation error can come back, before any write.
     let pool_ref = pool.as_deref();
-    py.detach(move || kernel::adam_step(simd, pool_ref, segments)).map_err(PyRuntimeError::new_err)?;
+    py.detach(move || kernel::adam_step(simd, pool_ref, segments))
+        .map_err(PyRuntimeError::new_err)?;
 
     let mut first = vec![Vec::new(); sets.len()];
     for ((si, ei, _), s) in work.iter().zip(new_steps) {
@@ -605,7 +678,15 @@ fn grad_refs(imports: &[Import]) -> Vec<GradRef<'_>> {
     // reductions only read.
     imports
         .iter()
-        .map(|b| unsafe { grad_ref(&GradInfo { ptr: b.addr(), dtype: b.dtype }, b.len) })
+        .map(|b| unsafe {
+            grad_ref(
+                &GradInfo {
+                    ptr: b.addr(),
+                    dtype: b.dtype,
+                },
+                b.len,
+            )
+        })
         .collect()
 }
 
@@ -619,19 +700,26 @@ fn grad_sq_norm(py: Python<'_>, tensors: &Bound<'_, PyAny>, num_threads: usize, 
     let imports = import_grads(tensors)?;
     let refs = grad_refs(&imports);
     let pool_ref = pool.as_deref();
-    py.detach(move || kernel::grad_sq_norm(simd, pool_ref, &refs)).map_err(PyRuntimeError::new_err)
+    py.detach(move || kernel::grad_sq_norm(simd, pool_ref, &refs))
+        .map_err(PyRuntimeError::new_err)
 }
 
 /// Whether any element of `tensors` is an infinity or a NaN. Reads only.
 #[pyfunction]
 #[pyo3(signature = (tensors, *, num_threads=1, simd=None))]
-fn grads_nonfinite(py: Python<'_>, tensors: &Bound<'_, PyAny>, num_threads: usize, simd: Option<&str>) -> PyResult<bool> {
+fn grads_nonfinite(
+    py: Python<'_>,
+    tensors: &Bound<'_, PyAny>,
+    num_threads: usize,
+    simd: Option<&str>,
+) -> PyResult<bool> {
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
     let imports = import_grads(tensors)?;
     let refs = grad_refs(&imports);
     let pool_ref = pool.as_deref();
-    py.detach(move || kernel::grads_nonfinite(simd, pool_ref, &refs)).map_err(PyRuntimeError::new_err)
+    py.detach(move || kernel::grads_nonfinite(simd, pool_ref, &refs))
+        .map_err(PyRuntimeError::new_err)
 }
 
 /// One fused update of flat host tensors, in place: the kernel without the optimizer around it
@@ -665,9 +753,22 @@ fn adam_update(
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
     if step == 0 {
-        return Err(PyValueError::new_err("step: must be >= 1 (the count after this update)"));
+        return Err(PyValueError::new_err(
+            "step: must be >= 1 (the count after this update)",
+        ));
     }
-    let h = Hyper { lr, beta1: betas.0, beta2: betas.1, eps, weight_decay, decoupled, amsgrad, maximize, bias_correction, grad_scale };
+    let h = Hyper {
+        lr,
+        beta1: betas.0,
+        beta2: betas.1,
+        eps,
+        weight_decay,
+        decoupled,
+        amsgrad,
+        maximize,
+        bias_correction,
+        grad_scale,
+    };
     h.validate().map_err(PyValueError::new_err)?;
     let p = Import::new(param, "param")?;
     p.require(DType::F32, "param")?;
@@ -691,7 +792,10 @@ fn adam_update(
     }
     for (b, what) in named.iter().chain([(&g, "grad")].iter()) {
         if b.len != p.len {
-            return Err(PyValueError::new_err(format!("{what}: has {} elements, param {}", b.len, p.len)));
+            return Err(PyValueError::new_err(format!(
+                "{what}: has {} elements, param {}",
+                b.len, p.len
+            )));
         }
         if !b.contiguous {
             return Err(PyValueError::new_err(format!("{what}: must be contiguous")));
@@ -699,12 +803,21 @@ fn adam_update(
     }
     for (b, what) in &named[1..] {
         if (b.dtype == DType::F16) && !what.starts_with("out") {
-            return Err(PyTypeError::new_err(format!("{what}: state dtype must be float32 or bfloat16")));
+            return Err(PyTypeError::new_err(format!(
+                "{what}: state dtype must be float32 or bfloat16"
+            )));
         }
     }
-    let writable = check_disjoint(named.iter().map(|(b, w)| (b.range().0, b.range().1, w.to_string())).collect())?;
+    let writable = check_disjoint(
+        named
+            .iter()
+            .map(|(b, w)| (b.range().0, b.range().1, w.to_string()))
+            .collect(),
+    )?;
     if overlaps(&writable, g.range().0, g.range().1) {
-        return Err(PyValueError::new_err("grad: shares memory with a buffer the kernel writes"));
+        return Err(PyValueError::new_err(
+            "grad: shares memory with a buffer the kernel writes",
+        ));
     }
     let n = p.len;
     // SAFETY: the Imports live until the end of this function, lengths match, the written buffers
@@ -714,7 +827,13 @@ fn adam_update(
             consts: Consts::new(&h, step),
             amsgrad,
             param: slice_mut(p.ptr(), 0, n),
-            grad: grad_ref(&GradInfo { ptr: g.addr(), dtype: g.dtype }, n),
+            grad: grad_ref(
+                &GradInfo {
+                    ptr: g.addr(),
+                    dtype: g.dtype,
+                },
+                n,
+            ),
             exp_avg: state_mut(&m, 0, n),
             exp_avg_sq: state_mut(&v, 0, n),
             max_exp_avg_sq: x.as_ref().map(|x| state_mut(x, 0, n)),
@@ -726,7 +845,8 @@ fn adam_update(
         }
     };
     let pool_ref = pool.as_deref();
-    py.detach(move || kernel::adam_step(simd, pool_ref, vec![seg])).map_err(PyValueError::new_err)
+    py.detach(move || kernel::adam_step(simd, pool_ref, vec![seg]))
+        .map_err(PyValueError::new_err)
 }
 
 /// The SIMD path used when none is named (`OFFLOAD_ADAM_SIMD`, else the best this CPU has).

@@ -108,7 +108,10 @@ impl DType {
                     6 => "bool",
                     _ => "type code ",
                 };
-                Err(format!("{kind}{bits}{}", if lanes > 1 { format!("x{lanes}") } else { String::new() }))
+                Err(format!(
+                    "{kind}{bits}{}",
+                    if lanes > 1 { format!("x{lanes}") } else { String::new() }
+                ))
             }
         }
     }
@@ -214,7 +217,11 @@ impl Import {
         // SAFETY: a valid DLTensor has `ndim` entries behind `shape` and (if not null) `strides`.
         let (shape, strides) = unsafe {
             let nd = t.ndim.max(0) as usize;
-            let shape = if nd == 0 { vec![] } else { std::slice::from_raw_parts(t.shape, nd).to_vec() };
+            let shape = if nd == 0 {
+                vec![]
+            } else {
+                std::slice::from_raw_parts(t.shape, nd).to_vec()
+            };
             let strides = if t.strides.is_null() || nd == 0 {
                 None
             } else {
@@ -226,8 +233,15 @@ impl Import {
         let dl_dtype = t.dtype;
         let device = t.device;
         // From here, dropping `import` hands the tensor back through its deleter.
-        let mut import =
-            Import { managed, ptr, len: 0, dtype: DType::F32, shape, strides: vec![], contiguous: true };
+        let mut import = Import {
+            managed,
+            ptr,
+            len: 0,
+            dtype: DType::F32,
+            shape,
+            strides: vec![],
+            contiguous: true,
+        };
         import.dtype = DType::from_dl(dl_dtype).map_err(|got| {
             PyTypeError::new_err(format!("{name}: dtype must be float32, bfloat16 or float16, got {got}"))
         })?;
@@ -332,8 +346,12 @@ pub fn is_dense(shape: &[i64], strides: &[i64]) -> bool {
     if shape.contains(&0) {
         return true;
     }
-    let mut dims: Vec<(i64, i64)> =
-        shape.iter().zip(strides).filter(|(n, _)| **n != 1).map(|(&n, &s)| (s, n)).collect();
+    let mut dims: Vec<(i64, i64)> = shape
+        .iter()
+        .zip(strides)
+        .filter(|(n, _)| **n != 1)
+        .map(|(&n, &s)| (s, n))
+        .collect();
     dims.sort();
     let mut expected = 1i64;
     for (s, n) in dims {

@@ -67,15 +67,24 @@ impl HostSet {
         max_exp_avg_sq: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<HostSet> {
         let n = lens.len();
-        if state_offsets.len() != n || kinds.len() != n || grad_offsets.len() != n || grads.len() != 3 || outs.len() != 3 {
-            return Err(PyValueError::new_err("HostSet: one offset, length and kind per parameter; three grad and out slots"));
+        if state_offsets.len() != n
+            || kinds.len() != n
+            || grad_offsets.len() != n
+            || grads.len() != 3
+            || outs.len() != 3
+        {
+            return Err(PyValueError::new_err(
+                "HostSet: one offset, length and kind per parameter; three grad and out slots",
+            ));
         }
         let master = Import::new(master, "master buffer")?;
         master.require(DType::F32, "master buffer")?;
         let exp_avg = Import::new(exp_avg, "exp_avg buffer")?;
         let exp_avg_sq = Import::new(exp_avg_sq, "exp_avg_sq buffer")?;
         if exp_avg.dtype == DType::F16 {
-            return Err(PyTypeError::new_err("exp_avg buffer: state dtype must be float32 or bfloat16"));
+            return Err(PyTypeError::new_err(
+                "exp_avg buffer: state dtype must be float32 or bfloat16",
+            ));
         }
         exp_avg_sq.require(exp_avg.dtype, "exp_avg_sq buffer")?;
         let steps = Import::new(steps, "steps buffer")?;
@@ -93,7 +102,9 @@ impl HostSet {
             }
             if let Some(o) = &outs[k] {
                 if k == 0 {
-                    return Err(PyValueError::new_err("float32 parameters take their copy from the master buffer"));
+                    return Err(PyValueError::new_err(
+                        "float32 parameters take their copy from the master buffer",
+                    ));
                 }
                 let imp = Import::new(o, &format!("{} weight-copy buffer", KINDS[k].name()))?;
                 imp.require(KINDS[k], "weight-copy buffer")?;
@@ -109,17 +120,30 @@ impl HostSet {
             }
             let fits = |b: &Import, o: usize| o.checked_add(len).is_some_and(|e| e <= b.len);
             if !fits(&master, off) || !fits(&exp_avg, off) || !fits(&exp_avg_sq, off) {
-                return Err(PyValueError::new_err(format!("parameter {i}: state slot past the end of the buffers")));
+                return Err(PyValueError::new_err(format!(
+                    "parameter {i}: state slot past the end of the buffers"
+                )));
             }
             match &gs[k] {
                 Some(g) if fits(g, goff) => {}
-                _ => return Err(PyValueError::new_err(format!("parameter {i}: gradient slot missing or past the end"))),
+                _ => {
+                    return Err(PyValueError::new_err(format!(
+                        "parameter {i}: gradient slot missing or past the end"
+                    )))
+                }
             }
             if k > 0 && os[k].as_ref().is_some_and(|o| !fits(o, goff)) {
-                return Err(PyValueError::new_err(format!("parameter {i}: weight-copy slot past the end")));
+                return Err(PyValueError::new_err(format!(
+                    "parameter {i}: weight-copy slot past the end"
+                )));
             }
             state_ranges.push((off, off + len, format!("parameter {i}")));
-            slots.push(Slot { state: off, len, kind: k, grad: goff });
+            slots.push(Slot {
+                state: off,
+                len,
+                kind: k,
+                grad: goff,
+            });
         }
         check_disjoint(state_ranges).map_err(|_| PyValueError::new_err("overlapping state slots"))?;
         for k in 0..3 {
@@ -163,7 +187,10 @@ impl HostSet {
 
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let x = import_max_exp_avg_sq(buf, self.exp_avg.dtype, self.exp_avg.len, &self.writable)?;
-        let _busy = self.busy.try_lock().map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
+        let _busy = self
+            .busy
+            .try_lock()
+            .map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
         *self.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
         Ok(())
     }
@@ -196,7 +223,10 @@ pub fn host_step(
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
     let h = hyper(group, 0, grad_scale, bias_correction)?;
-    let _busy = set.busy.try_lock().map_err(|_| PyRuntimeError::new_err("another step is running on this param group"))?;
+    let _busy = set
+        .busy
+        .try_lock()
+        .map_err(|_| PyRuntimeError::new_err("another step is running on this param group"))?;
     let vmax = set.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner());
     if h.amsgrad && vmax.is_none() {
         return Err(PyRuntimeError::new_err("amsgrad needs a max_exp_avg_sq buffer"));
@@ -204,7 +234,9 @@ pub fn host_step(
     let mut seen = vec![false; set.slots.len()];
     for &i in &indices {
         if i >= set.slots.len() || std::mem::replace(&mut seen[i], true) {
-            return Err(PyValueError::new_err(format!("indices: {i} is out of range or repeated")));
+            return Err(PyValueError::new_err(format!(
+                "indices: {i} is out of range or repeated"
+            )));
         }
     }
     let mut segments = Vec::with_capacity(indices.len());
@@ -219,16 +251,27 @@ pub fn host_step(
         // checked in bounds and pairwise disjoint per buffer, the buffers disjoint from each
         // other, and `indices` has no repeats: no two slices alias.
         let seg = unsafe {
-            let info = GradInfo { ptr: g.addr() + s.grad * g.dtype.size(), dtype: g.dtype };
+            let info = GradInfo {
+                ptr: g.addr() + s.grad * g.dtype.size(),
+                dtype: g.dtype,
+            };
             let in_grad = s.kind > 0 && set.outs[s.kind].is_none();
             Segment {
                 consts: Consts::new(&h, step),
                 amsgrad: h.amsgrad,
                 param: slice_mut::<f32>(set.master.ptr(), s.state, s.len),
-                grad: if in_grad { GradRef::InOut } else { grad_ref(&info, s.len) },
+                grad: if in_grad {
+                    GradRef::InOut
+                } else {
+                    grad_ref(&info, s.len)
+                },
                 exp_avg: state_mut(&set.exp_avg, s.state, s.len),
                 exp_avg_sq: state_mut(&set.exp_avg_sq, s.state, s.len),
-                max_exp_avg_sq: if h.amsgrad { vmax.as_ref().map(|x| state_mut(x, s.state, s.len)) } else { None },
+                max_exp_avg_sq: if h.amsgrad {
+                    vmax.as_ref().map(|x| state_mut(x, s.state, s.len))
+                } else {
+                    None
+                },
                 out: match (s.kind, set.outs[s.kind].as_ref().unwrap_or(g)) {
                     (1, o) => OutMut::Bf16(slice_mut::<Bf16>(o.ptr(), s.grad, s.len)),
                     (2, o) => OutMut::F16(slice_mut::<F16>(o.ptr(), s.grad, s.len)),
@@ -239,7 +282,8 @@ pub fn host_step(
         segments.push(seg);
     }
     let pool_ref = pool.as_deref();
-    py.detach(move || kernel::adam_step(simd, pool_ref, segments)).map_err(PyRuntimeError::new_err)?;
+    py.detach(move || kernel::adam_step(simd, pool_ref, segments))
+        .map_err(PyRuntimeError::new_err)?;
     let mut first = Vec::new();
     for (&i, s) in indices.iter().zip(next_steps) {
         // SAFETY: as above.
@@ -261,17 +305,28 @@ fn add_into<D: Elem, S: Elem>(dst: &mut [D], src: &[S]) {
 /// a gradient into an existing one). Both are host tensors of the same length.
 #[pyfunction]
 #[pyo3(signature = (dst, src, *, num_threads=1))]
-pub fn grad_accumulate(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>, num_threads: usize) -> PyResult<()> {
+pub fn grad_accumulate(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    num_threads: usize,
+) -> PyResult<()> {
     let pool = pool(num_threads)?;
     let d = Import::new(dst, "dst")?;
     let s = Import::new(src, "src")?;
     if d.len != s.len {
-        return Err(PyValueError::new_err(format!("src: has {} elements, dst {}", s.len, d.len)));
+        return Err(PyValueError::new_err(format!(
+            "src: has {} elements, dst {}",
+            s.len, d.len
+        )));
     }
     if !d.contiguous || !s.contiguous {
         return Err(PyValueError::new_err("dst and src must be contiguous"));
     }
-    check_disjoint(vec![(d.range().0, d.range().1, "dst".into()), (s.range().0, s.range().1, "src".into())])?;
+    check_disjoint(vec![
+        (d.range().0, d.range().1, "dst".into()),
+        (s.range().0, s.range().1, "src".into()),
+    ])?;
     let n = d.len;
     let (dp, sp, dd, sd) = (d.ptr() as usize, s.addr(), d.dtype, s.dtype);
     let run = move |lo: usize, hi: usize| {
@@ -299,7 +354,10 @@ pub fn grad_accumulate(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, P
             }
         }
     };
-    let chunks: Vec<(usize, usize)> = (0..n).step_by(kernel::CHUNK).map(|lo| (lo, (lo + kernel::CHUNK).min(n))).collect();
+    let chunks: Vec<(usize, usize)> = (0..n)
+        .step_by(kernel::CHUNK)
+        .map(|lo| (lo, (lo + kernel::CHUNK).min(n)))
+        .collect();
     let pool_ref = pool.as_deref();
     py.detach(move || match pool_ref {
         Some(p) => p.install(|| chunks.into_par_iter().for_each(|(lo, hi)| run(lo, hi))),

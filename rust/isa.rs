@@ -61,9 +61,7 @@ impl Simd {
             Simd::Scalar => true,
             #[cfg(target_arch = "x86_64")]
             Simd::Avx2 => {
-                is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-                    && is_x86_feature_detected!("f16c")
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512 => {
@@ -74,9 +72,7 @@ impl Simd {
                     && is_x86_feature_detected!("avx512dq")
             }
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512Bf16 => {
-                Simd::Avx512.supported() && is_x86_feature_detected!("avx512bf16")
-            }
+            Simd::Avx512Bf16 => Simd::Avx512.supported() && is_x86_feature_detected!("avx512bf16"),
             #[cfg(target_arch = "aarch64")]
             Simd::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]

@@ -38,7 +38,15 @@ pub struct Hyper {
 impl Hyper {
     /// Checks torch's constraints; the message names the offending hyper-parameter.
     pub fn validate(&self) -> Result<(), String> {
-        let Hyper { lr, beta1, beta2, eps, weight_decay, grad_scale, .. } = *self;
+        let Hyper {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+            grad_scale,
+            ..
+        } = *self;
         if !(lr >= 0.0) || lr.is_infinite() {
             return Err(format!("Invalid learning rate: {lr}"));
         }
@@ -96,7 +104,11 @@ impl Consts {
             gscale: gscale as f32,
             use_l2,
             l2: if use_l2 { h.weight_decay as f32 } else { 0.0 },
-            decay: if h.decoupled { (1.0 - h.lr * h.weight_decay) as f32 } else { 1.0 },
+            decay: if h.decoupled {
+                (1.0 - h.lr * h.weight_decay) as f32
+            } else {
+                1.0
+            },
             b1c: (1.0 - h.beta1) as f32,
             b2: h.beta2 as f32,
             b2c: (1.0 - h.beta2) as f32,
@@ -469,11 +481,19 @@ unsafe fn out_block<I: Isa, const STORE: bool>(p: &mut Block, out: &mut OutMut<'
             OutMut::None => {}
             OutMut::Bf16(o) => {
                 let ob = o.as_chunks_mut::<LANES>().0.get_unchecked_mut(b);
-                if STORE { *ob = Bf16::store::<I>(p) } else { resync::<I, Bf16>(p, ob) }
+                if STORE {
+                    *ob = Bf16::store::<I>(p)
+                } else {
+                    resync::<I, Bf16>(p, ob)
+                }
             }
             OutMut::F16(o) => {
                 let ob = o.as_chunks_mut::<LANES>().0.get_unchecked_mut(b);
-                if STORE { *ob = F16::store::<I>(p) } else { resync::<I, F16>(p, ob) }
+                if STORE {
+                    *ob = F16::store::<I>(p)
+                } else {
+                    resync::<I, F16>(p, ob)
+                }
             }
         }
     }
@@ -776,14 +796,27 @@ path!(Avx2Path, Avx2, "avx2,fma,f16c");
 #[cfg(target_arch = "x86_64")]
 path!(Avx512Path, Avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c");
 #[cfg(target_arch = "x86_64")]
-path!(Avx512Bf16Path, Avx512Bf16, "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c");
+path!(
+    Avx512Bf16Path,
+    Avx512Bf16,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"
+);
 
 /// Runs one (validated) segment on path `P`.
 ///
 /// # Safety
 /// The CPU supports `P`.
 unsafe fn run_path<P: Path>(s: Segment<'_>, next: &Lookahead) {
-    let Segment { consts, amsgrad, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, mut out } = s;
+    let Segment {
+        consts,
+        amsgrad,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        max_exp_avg_sq,
+        mut out,
+    } = s;
     macro_rules! go {
         ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
             // SAFETY: lengths validated; path support is the caller's contract.
@@ -834,7 +867,16 @@ fn run_reference(s: Segment<'_>) {
     if let GradRef::InOut = s.grad {
         // The specification of the in-place mode: read the gradients, then run the plain update
         // with the copy written to the same buffer.
-        let Segment { consts, amsgrad, param, exp_avg, exp_avg_sq, max_exp_avg_sq, out, .. } = s;
+        let Segment {
+            consts,
+            amsgrad,
+            param,
+            exp_avg,
+            exp_avg_sq,
+            max_exp_avg_sq,
+            out,
+            ..
+        } = s;
         match out {
             OutMut::Bf16(o) => {
                 let g: Vec<Bf16> = o.to_vec();
@@ -842,7 +884,16 @@ fn run_reference(s: Segment<'_>) {
                 for (x, p) in o.iter_mut().zip(param.iter()) {
                     *x = Bf16::from_f32(*p);
                 }
-                let seg = Segment { consts, amsgrad, param, grad: GradRef::Bf16(&g), exp_avg, exp_avg_sq, max_exp_avg_sq, out: OutMut::Bf16(o) };
+                let seg = Segment {
+                    consts,
+                    amsgrad,
+                    param,
+                    grad: GradRef::Bf16(&g),
+                    exp_avg,
+                    exp_avg_sq,
+                    max_exp_avg_sq,
+                    out: OutMut::Bf16(o),
+                };
                 run_reference(seg);
             }
             OutMut::F16(o) => {
@@ -850,14 +901,32 @@ fn run_reference(s: Segment<'_>) {
                 for (x, p) in o.iter_mut().zip(param.iter()) {
                     *x = F16::from_f32(*p);
                 }
-                let seg = Segment { consts, amsgrad, param, grad: GradRef::F16(&g), exp_avg, exp_avg_sq, max_exp_avg_sq, out: OutMut::F16(o) };
+                let seg = Segment {
+                    consts,
+                    amsgrad,
+                    param,
+                    grad: GradRef::F16(&g),
+                    exp_avg,
+                    exp_avg_sq,
+                    max_exp_avg_sq,
+                    out: OutMut::F16(o),
+                };
                 run_reference(seg);
             }
             OutMut::None => unreachable!("validated"),
         }
         return;
     }
-    let Segment { consts, amsgrad, param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out } = s;
+    let Segment {
+        consts,
+        amsgrad,
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        max_exp_avg_sq,
+        out,
+    } = s;
     macro_rules! go {
         ($g:expr, $m:expr, $v:expr, $x:expr) => {
             match out {
@@ -1158,7 +1227,13 @@ mod tests {
             let m = r.vec(n, 0.01);
             let v: Vec<f32> = r.vec(n, 1e-4).iter().map(|x| x.abs()).collect();
             let x = v.iter().zip(r.vec(n, 1e-4)).map(|(v, d)| v + d.abs() * 0.5).collect();
-            Bufs { p: r.vec(n, 1.0), g: r.vec(n, 0.1), m, v, x }
+            Bufs {
+                p: r.vec(n, 1.0),
+                g: r.vec(n, 0.1),
+                m,
+                v,
+                x,
+            }
         }
     }
 
@@ -1250,7 +1325,13 @@ mod tests {
             c.x[2] = f32::NAN;
             run(&mut c, &h, simd, 1, 2);
             assert!(c.x[2].is_nan() && c.p[2].is_nan());
-            close(&c.p[3..], &Bufs::new(20, 5).p[3..], 0.0, 1e-2, "untouched neighbours stay finite");
+            close(
+                &c.p[3..],
+                &Bufs::new(20, 5).p[3..],
+                0.0,
+                1e-2,
+                "untouched neighbours stay finite",
+            );
         }
     }
 
@@ -1288,9 +1369,17 @@ mod tests {
                                     GradRef::InOut => GradRef::InOut,
                                 };
                                 let (m, v, x) = if bf16_state {
-                                    (StateMut::Bf16(&mut m16), StateMut::Bf16(&mut v16), StateMut::Bf16(&mut x16))
+                                    (
+                                        StateMut::Bf16(&mut m16),
+                                        StateMut::Bf16(&mut v16),
+                                        StateMut::Bf16(&mut x16),
+                                    )
                                 } else {
-                                    (StateMut::F32(&mut m32), StateMut::F32(&mut v32), StateMut::F32(&mut x32))
+                                    (
+                                        StateMut::F32(&mut m32),
+                                        StateMut::F32(&mut v32),
+                                        StateMut::F32(&mut x32),
+                                    )
                                 };
                                 let out = match out_kind {
                                     0 => OutMut::None,
@@ -1309,7 +1398,11 @@ mod tests {
                                 };
                                 adam_step(s, None, vec![seg]).unwrap();
                             }
-                            let m: Vec<f32> = if bf16_state { m16.iter().map(|x| x.to_f32()).collect() } else { m32 };
+                            let m: Vec<f32> = if bf16_state {
+                                m16.iter().map(|x| x.to_f32()).collect()
+                            } else {
+                                m32
+                            };
                             let o: Vec<f32> = match out_kind {
                                 0 => p.clone(),
                                 1 => ob.iter().map(|x| x.to_f32()).collect(),
@@ -1346,7 +1439,11 @@ mod tests {
                 let g: Vec<Bf16> = src.g.iter().map(|&x| Bf16::from_f32(x)).collect();
                 let run = |inout: bool| {
                     let (mut p, mut m, mut v, mut x) = (src.p.clone(), src.m.clone(), src.v.clone(), src.x.clone());
-                    let mut o: Vec<Bf16> = if inout { g.clone() } else { p.iter().map(|&x| Bf16::from_f32(x)).collect() };
+                    let mut o: Vec<Bf16> = if inout {
+                        g.clone()
+                    } else {
+                        p.iter().map(|&x| Bf16::from_f32(x)).collect()
+                    };
                     let seg = Segment {
                         consts: Consts::new(&h, 2),
                         amsgrad: true,
@@ -1394,7 +1491,12 @@ mod tests {
         let hb: Vec<Bf16> = small.iter().map(|&x| Bf16::from_f32(x)).collect();
         let exact: f64 = big.iter().chain(&small).map(|&x| (x as f64) * (x as f64)).sum::<f64>()
             + hb.iter().map(|x| (x.to_f32() as f64).powi(2)).sum::<f64>();
-        let grads = [GradRef::F32(&big), GradRef::F32(&small), GradRef::Bf16(&hb), GradRef::F32(&[])];
+        let grads = [
+            GradRef::F32(&big),
+            GradRef::F32(&small),
+            GradRef::Bf16(&hb),
+            GradRef::F32(&[]),
+        ];
         for simd in Simd::available() {
             let one = grad_sq_norm(simd, None, &grads).unwrap();
             assert!((one - exact).abs() <= 1e-12 * exact, "{simd:?}");

@@ -40,7 +40,11 @@ pub fn get(threads: usize) -> Result<Option<Arc<ThreadPool>>, String> {
         .build()
         .map_err(|e| format!("cannot start {threads} threads: {e}"))?;
     let pool = Arc::new(pool);
-    pools.push(Entry { threads, pid, pool: pool.clone() });
+    pools.push(Entry {
+        threads,
+        pid,
+        pool: pool.clone(),
+    });
     Ok(Some(pool))
 }
 

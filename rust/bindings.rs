@@ -275,12 +275,7 @@ impl ParamSet {
     /// Gives the set its amsgrad buffer (same length and dtype as exp_avg).
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let x = import_max_exp_avg_sq(buf, self.state_dtype(), self.state_len(), &self.writable)?;
-        let _busy = self
-            .busy
-            .try_lock()
-            .map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
-        *self.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
-        Ok(())
+        install(&self.max_exp_avg_sq, &self.busy, x)
     }
 
     #[getter]
@@ -331,6 +326,15 @@ pub(crate) fn import_max_exp_avg_sq(
         ));
     }
     Ok(x)
+}
+
+/// Puts an amsgrad buffer in its slot, unless a step is running on the set (`busy`).
+pub(crate) fn install<T>(slot: &Mutex<Option<Import>>, busy: &Mutex<T>, x: Import) -> PyResult<()> {
+    let _busy = busy
+        .try_lock()
+        .map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
+    *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
+    Ok(())
 }
 
 /// The hyper-parameters of a torch param group.

@@ -11,7 +11,8 @@ use pyo3::types::PyDict;
 use rayon::prelude::*;
 
 use crate::bindings::{
-    check_disjoint, grad_ref, hyper, import_max_exp_avg_sq, pool, simd_or_default, slice_mut, state_mut, GradInfo,
+    check_disjoint, grad_ref, hyper, import_max_exp_avg_sq, install, pool, simd_or_default, slice_mut, state_mut,
+    GradInfo,
 };
 use crate::dlpack::{DType, Import};
 use crate::elem::{Bf16, Elem, F16};
@@ -187,12 +188,7 @@ impl HostSet {
 
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let x = import_max_exp_avg_sq(buf, self.exp_avg.dtype, self.exp_avg.len, &self.writable)?;
-        let _busy = self
-            .busy
-            .try_lock()
-            .map_err(|_| PyRuntimeError::new_err("a step is running on this param group"))?;
-        *self.max_exp_avg_sq.lock().unwrap_or_else(|e| e.into_inner()) = Some(x);
-        Ok(())
+        install(&self.max_exp_avg_sq, &self.busy, x)
     }
 
     #[getter]

@@ -863,59 +863,30 @@ unsafe fn run_path<P: Path>(s: Segment<'_>, next: &Lookahead) {
     }
 }
 
+/// In-place mode: the slot's gradient, read exactly as f32; the slot then holds the rounded
+/// master, so that the reference's resync sees no edit and overwrites it with the new copy.
+fn take_slot<O: Elem>(o: &mut [O], p: &[f32]) -> Vec<f32> {
+    let g = o.iter().map(|x| x.to_f32()).collect();
+    for (x, w) in o.iter_mut().zip(p) {
+        *x = O::from_f32(*w);
+    }
+    g
+}
+
 fn run_reference(s: Segment<'_>) {
     if let GradRef::InOut = s.grad {
         // The specification of the in-place mode: read the gradients, then run the plain update
         // with the copy written to the same buffer.
-        let Segment {
-            consts,
-            amsgrad,
-            param,
-            exp_avg,
-            exp_avg_sq,
-            max_exp_avg_sq,
-            out,
-            ..
-        } = s;
-        match out {
-            OutMut::Bf16(o) => {
-                let g: Vec<Bf16> = o.to_vec();
-                // The slot is overwritten, never compared: clear it so the resync sees no edit.
-                for (x, p) in o.iter_mut().zip(param.iter()) {
-                    *x = Bf16::from_f32(*p);
-                }
-                let seg = Segment {
-                    consts,
-                    amsgrad,
-                    param,
-                    grad: GradRef::Bf16(&g),
-                    exp_avg,
-                    exp_avg_sq,
-                    max_exp_avg_sq,
-                    out: OutMut::Bf16(o),
-                };
-                run_reference(seg);
-            }
-            OutMut::F16(o) => {
-                let g: Vec<F16> = o.to_vec();
-                for (x, p) in o.iter_mut().zip(param.iter()) {
-                    *x = F16::from_f32(*p);
-                }
-                let seg = Segment {
-                    consts,
-                    amsgrad,
-                    param,
-                    grad: GradRef::F16(&g),
-                    exp_avg,
-                    exp_avg_sq,
-                    max_exp_avg_sq,
-                    out: OutMut::F16(o),
-                };
-                run_reference(seg);
-            }
-            OutMut::None => unreachable!("validated"),
-        }
-        return;
+        let mut s = s;
+        let g = match &mut s.out {
+            OutMut::Bf16(o) => take_slot(o, s.param),
+            OutMut::F16(o) => take_slot(o, s.param),
+            OutMut::None => unreachable!("validated: InOut has a copy buffer"),
+        };
+        return run_reference(Segment {
+            grad: GradRef::F32(&g),
+            ..s
+        });
     }
     let Segment {
         consts,

@@ -71,6 +71,9 @@ class _Buffers:
     master: Tensor | None
     max_exp_avg_sq: Tensor | None = None
 
+    def tensors(self) -> list[Tensor]:
+        return [t for t in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.steps) if t is not None]
+
 
 def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     """The slot of ``p`` in ``flat``, shaped (and strided) like ``p``."""
@@ -207,15 +210,8 @@ class Adam(Optimizer):
         On any error the optimizer is left as it was.
         """
         if isinstance(param_group, dict):
-            for k in ("lr", "betas", "eps", "weight_decay"):
-                if k in param_group:
-                    _check_hyper(
-                        param_group.get("lr", self.defaults["lr"]),
-                        param_group.get("betas", self.defaults["betas"]),
-                        param_group.get("eps", self.defaults["eps"]),
-                        param_group.get("weight_decay", self.defaults["weight_decay"]),
-                    )
-                    break
+            hyper = {k: param_group.get(k, self.defaults[k]) for k in ("lr", "betas", "eps", "weight_decay")}
+            _check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
             for k in ("capturable", "differentiable"):
                 if param_group.get(k):
                     raise ValueError(f"{k}=True is not supported by offload_adam")
@@ -467,13 +463,10 @@ class Adam(Optimizer):
         keeps between steps)."""
         held = tight = 0
         for bufs in self._buffers:
-            if bufs is None:
-                continue
-            for buf in (bufs.exp_avg, bufs.exp_avg_sq, bufs.max_exp_avg_sq, bufs.master, bufs.steps):
-                if buf is not None:
-                    n = buf.untyped_storage().nbytes()
-                    held += n
-                    tight += n
+            for buf in bufs.tensors() if bufs is not None else []:
+                n = buf.untyped_storage().nbytes()
+                held += n
+                tight += n
         if self._streamer is not None:
             h, t = self._streamer.memory()
             held += h
@@ -568,11 +561,8 @@ class Adam(Optimizer):
         with torch.no_grad():
             self.state.clear()
             for bufs in self._buffers:
-                if bufs is None:
-                    continue
-                for t in (bufs.exp_avg, bufs.exp_avg_sq, bufs.steps, bufs.master, bufs.max_exp_avg_sq):
-                    if t is not None:
-                        t.zero_()
+                for t in bufs.tensors() if bufs is not None else []:
+                    t.zero_()
             if self._streamer is not None:
                 for hg in self._streamer.groups.values():
                     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps"):

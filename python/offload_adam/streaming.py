@@ -429,8 +429,8 @@ class Streamer:
             self.backend.host_wait(b.d2h_event)
 
     def step(self, grad_scale: float, bias_correction: bool, num_threads: int, scaler_ready: bool) -> None:
-        self.synchronize()
-        self.check_params()
+        """One step over every streamed group; the caller has run ``synchronize()`` and
+        ``check_params()`` (before it touched any other group)."""
         self._collect(scaler_ready)
         # The step takes this step's gradients now; from here the hooks (a next backward, while
         # an async step runs) may mark new ones.

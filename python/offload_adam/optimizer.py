@@ -83,6 +83,17 @@ def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     return torch.as_strided(flat, p.shape, p.stride(), offset)
 
 
+def _byte_range(t: Tensor) -> tuple[int, int]:
+    """The bytes of ``t``'s storage that ``t`` can reach (its whole storage: cheap and safe)."""
+    st = t.untyped_storage()
+    return st.data_ptr(), st.data_ptr() + st.nbytes()
+
+
+def _overlaps_any(t: Tensor, ranges: list[tuple[int, int]]) -> bool:
+    lo, hi = _byte_range(t)
+    return hi > lo and any(a < hi and lo < b for a, b in ranges)
+
+
 class Adam(Optimizer):
     r"""Adam on the CPU with a fused SIMD multithreaded kernel; a drop-in for ``torch.optim.Adam``.
 
@@ -308,6 +319,16 @@ class Adam(Optimizer):
         pset.check_disjoint([s for s in self._sets if s is not None])
         self._sets.append(pset)
         self._buffers.append(bufs)
+
+    def _all_buffers(self, masters: bool = False) -> list[Tensor]:
+        """Every flat state buffer a load overwrites; with ``masters``, the streamed groups'
+        masters too (a load writes them only where the checkpoint has a master)."""
+        out = [t for bufs in self._buffers if bufs is not None for t in bufs.tensors()]
+        if self._streamer is not None:
+            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps") + (("master",) if masters else ())
+            for hg in self._streamer.groups.values():
+                out += [t for t in (hg.buffers[k] for k in keys) if t is not None]
+        return out
 
     def _ensure_amsgrad_buffers(self) -> None:
         """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later."""
@@ -551,7 +572,16 @@ class Adam(Optimizer):
             step_f = float(step.item() if isinstance(step, Tensor) else step)
             if not (math.isfinite(step_f) and step_f >= 0 and step_f == int(step_f)):
                 raise ValueError(f"loaded state of {name}: step must be a whole number >= 0, got {step_f}")
-            plan.append((gi, i, v))
+            plan.append((gi, i, {**v, "step": step_f}))
+
+        # A source may be a view of our own buffers (`load_state_dict(state_dict())`, or
+        # torch.distributed.checkpoint filling the tensors we handed out, then loading them):
+        # zeroing the buffers below would erase it. Such sources are copied first.
+        ours = [_byte_range(t) for t in self._all_buffers(masters=True)]
+        plan = [
+            (gi, i, {k: t.clone() if isinstance(t, Tensor) and _overlaps_any(t, ours) else t for k, t in v.items()})
+            for gi, i, v in plan
+        ]
 
         # Everything checked: apply.
         for g, new in zip(self.param_groups, merged):
@@ -560,20 +590,12 @@ class Adam(Optimizer):
         self._ensure_amsgrad_buffers()
         with torch.no_grad():
             self.state.clear()
-            for bufs in self._buffers:
-                for t in bufs.tensors() if bufs is not None else []:
-                    t.zero_()
-            if self._streamer is not None:
-                for hg in self._streamer.groups.values():
-                    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps"):
-                        t = hg.buffers[key]
-                        if t is not None:
-                            t.zero_()
+            for t in self._all_buffers():
+                t.zero_()
             for gi, i, v in plan:
                 state = self._init_state(gi, i)
                 p = self.param_groups[gi]["params"][i]
-                step = v["step"]
-                state["step"].fill_(float(step.item() if isinstance(step, Tensor) else step))
+                state["step"].fill_(v["step"])
                 for key in _TENSOR_KEYS:
                     if key in state:
                         src = v.get(key)

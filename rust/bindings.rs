@@ -350,10 +350,17 @@ pub(crate) fn hyper(group: &Bound<'_, PyDict>, gi: usize, grad_scale: f64, bias_
             .map_err(|_| PyTypeError::new_err(format!("param group {gi}: {k} must be a float")))
     };
     let b = |k: &str| -> PyResult<bool> { get(k)?.is_truthy() };
-    let betas = get("betas")?;
-    let (beta1, beta2): (f64, f64) = betas
-        .extract()
+    // Any pair, as torch takes it: a tuple, or a list from a JSON/YAML config or DCP's full
+    // state dict; floats or 1-element tensors.
+    let pair: Vec<Bound<'_, PyAny>> = get("betas")?
+        .try_iter()
+        .and_then(|it| it.collect())
         .map_err(|_| PyTypeError::new_err(format!("param group {gi}: betas must be a pair of floats")))?;
+    let [beta1, beta2] = <[Bound<'_, PyAny>; 2]>::try_from(pair)
+        .map_err(|_| PyTypeError::new_err(format!("param group {gi}: betas must be a pair of floats")))?
+        .map(|b| b.extract::<f64>());
+    let bad = |_| PyTypeError::new_err(format!("param group {gi}: betas must be a pair of floats"));
+    let (beta1, beta2) = (beta1.map_err(bad)?, beta2.map_err(bad)?);
     let h = Hyper {
         lr: f("lr")?,
         beta1,

@@ -55,3 +55,22 @@ def test_a_source_partly_aliasing_other_slots_loads_correctly(streamed: bool) ->
         for k in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(ours.state[p][k], want["state"][i][k]), (i, k)
         assert float(ours.state[p]["step"]) == float(want["state"][i]["step"])
+
+
+def test_betas_loaded_as_a_list_train_on(streamed: bool) -> None:
+    """A checkpoint whose betas went through JSON/YAML (or DCP's full state dict) has a list."""
+    ps = make_params()
+    qs = clone_params(ps)
+    ours = AdamW(ps, lr=1e-3, betas=(0.8, 0.99))
+    ref = torch.optim.AdamW(qs, lr=1e-3, betas=(0.8, 0.99), foreach=False)
+    run_twins(ours, ref, ps, qs, 3)
+    for o in (ours, ref):
+        sd = copy.deepcopy(o.state_dict())
+        sd["param_groups"][0]["betas"] = list(sd["param_groups"][0]["betas"])
+        o.load_state_dict(sd)
+    run_twins(ours, ref, ps, qs, 5)
+    ours.param_groups[0]["betas"] = [0.85, 0.995]  # set by hand, as a list
+    ref.param_groups[0]["betas"] = [0.85, 0.995]
+    run_twins(ours, ref, ps, qs, 5)
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
+    assert_state_close(ours, ref, ps, qs)

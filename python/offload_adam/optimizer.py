@@ -544,6 +544,7 @@ class Adam(Optimizer):
                 _check_hyper(new["lr"], new["betas"], new["eps"], new["weight_decay"])
             except ValueError as e:
                 raise ValueError(f"loaded param group {gi}: {e}") from None
+            new["betas"] = tuple(new["betas"])  # a list from JSON/YAML or DCP's full state dict
             merged.append(new)
         plan: list[tuple[int, int, dict[str, Any]]] = []
         for k, v in state_dict["state"].items():

@@ -10,6 +10,7 @@
 use rayon::prelude::*;
 
 use crate::elem::{Bf16, Elem, F16};
+use crate::error::{Error, Result};
 #[cfg(target_arch = "x86_64")]
 use crate::isa::{Avx2, Avx512, Avx512Bf16};
 use crate::isa::{Block, Generic, Isa, Simd, LANES};
@@ -37,7 +38,7 @@ pub struct Hyper {
 
 impl Hyper {
     /// Checks torch's constraints; the message names the offending hyper-parameter.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), String> {
         let Hyper {
             lr,
             beta1,
@@ -253,7 +254,7 @@ impl<'a> Segment<'a> {
     }
 
     /// Lengths agree, moments share one dtype, amsgrad has its buffer.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> std::result::Result<(), String> {
         let n = self.param.len();
         let check = |what: &str, len: usize| {
             if len != n {
@@ -707,7 +708,8 @@ fn nonfinite_body<G: Elem>(g: &[G]) -> bool {
     gt.iter().any(|x| x.is_nonfinite())
 }
 
-/// The typed entry points of one path.
+/// The typed entry points of one code path. Every entry point of the kernel reaches a path
+/// through [`dispatch`], which checks once that the CPU runs it.
 trait Path {
     /// # Safety
     /// As for [`body`].
@@ -802,11 +804,95 @@ path!(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"
 );
 
-/// Runs one (validated) segment on path `P`.
+/// The specification as a path: [`reference::update`], one element at a time.
+struct ScalarPath;
+
+/// In-place mode: the slot's gradient, read exactly as f32; the slot then holds the rounded
+/// master, so that the reference's resync sees no edit and overwrites it with the new copy.
+fn take_slot<O: Elem>(o: &mut [O], p: &[f32]) -> Vec<f32> {
+    let g = o.iter().map(|x| x.to_f32()).collect();
+    for (x, w) in o.iter_mut().zip(p) {
+        *x = O::from_f32(*w);
+    }
+    g
+}
+
+impl Path for ScalarPath {
+    unsafe fn update<G: BlockIo, S: BlockIo, const AMS: bool>(
+        c: &Consts,
+        p: &mut [f32],
+        g: &[G],
+        m: &mut [S],
+        v: &mut [S],
+        vmax: &mut [S],
+        out: &mut OutMut<'_>,
+        _next: &Lookahead,
+    ) {
+        let x = if AMS { Some(vmax) } else { None };
+        match out {
+            OutMut::None => reference::update::<G, S, Bf16>(c, p, g, m, v, x, None),
+            OutMut::Bf16(o) => reference::update(c, p, g, m, v, x, Some(&mut **o)),
+            OutMut::F16(o) => reference::update(c, p, g, m, v, x, Some(&mut **o)),
+        }
+    }
+    unsafe fn update_inout<O: BlockIo, S: BlockIo, const AMS: bool>(
+        c: &Consts,
+        p: &mut [f32],
+        o: &mut [O],
+        m: &mut [S],
+        v: &mut [S],
+        vmax: &mut [S],
+    ) {
+        // The specification of the in-place mode: read the gradients, then run the plain update
+        // with the copy written to the same buffer.
+        let g = take_slot(o, p);
+        reference::update(c, p, &g, m, v, if AMS { Some(vmax) } else { None }, Some(o));
+    }
+    unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
+        g.iter().map(|x| (x.to_f32() as f64) * (x.to_f32() as f64)).sum()
+    }
+    unsafe fn nonfinite<G: BlockIo>(g: &[G]) -> bool {
+        g.iter().any(|x| !x.to_f32().is_finite())
+    }
+}
+
+/// Something to run on whichever path [`dispatch`] picks.
+trait Visit {
+    type Out;
+    /// # Safety
+    /// The CPU supports `P` (only [`dispatch`] calls this, after checking).
+    unsafe fn visit<P: Path>(self) -> Self::Out;
+}
+
+/// The one place a [`Simd`] choice becomes a code path: checks that this CPU runs it, then
+/// calls `v` with that path.
+fn dispatch<V: Visit>(simd: Simd, v: V) -> Result<V::Out> {
+    if !simd.supported() {
+        return Err(Error::Value(format!(
+            "SIMD path {} is not supported by this CPU",
+            simd.name()
+        )));
+    }
+    // SAFETY: checked just above that this CPU runs `simd`.
+    Ok(unsafe {
+        match simd {
+            Simd::Scalar => v.visit::<ScalarPath>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => v.visit::<Avx2Path>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 => v.visit::<Avx512Path>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Bf16 => v.visit::<Avx512Bf16Path>(),
+            _ => v.visit::<GenericPath>(),
+        }
+    })
+}
+
+/// Runs one (validated) segment on path `P`; `next` is what this thread updates after it.
 ///
 /// # Safety
 /// The CPU supports `P`.
-unsafe fn run_path<P: Path>(s: Segment<'_>, next: &Lookahead) {
+unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
     let Segment {
         consts,
         amsgrad,
@@ -860,85 +946,6 @@ unsafe fn run_path<P: Path>(s: Segment<'_>, next: &Lookahead) {
             OutMut::F16(o) => inout!(o),
             OutMut::None => unreachable!("validated: InOut has a copy buffer"),
         },
-    }
-}
-
-/// In-place mode: the slot's gradient, read exactly as f32; the slot then holds the rounded
-/// master, so that the reference's resync sees no edit and overwrites it with the new copy.
-fn take_slot<O: Elem>(o: &mut [O], p: &[f32]) -> Vec<f32> {
-    let g = o.iter().map(|x| x.to_f32()).collect();
-    for (x, w) in o.iter_mut().zip(p) {
-        *x = O::from_f32(*w);
-    }
-    g
-}
-
-fn run_reference(s: Segment<'_>) {
-    if let GradRef::InOut = s.grad {
-        // The specification of the in-place mode: read the gradients, then run the plain update
-        // with the copy written to the same buffer.
-        let mut s = s;
-        let g = match &mut s.out {
-            OutMut::Bf16(o) => take_slot(o, s.param),
-            OutMut::F16(o) => take_slot(o, s.param),
-            OutMut::None => unreachable!("validated: InOut has a copy buffer"),
-        };
-        return run_reference(Segment {
-            grad: GradRef::F32(&g),
-            ..s
-        });
-    }
-    let Segment {
-        consts,
-        amsgrad,
-        param,
-        grad,
-        exp_avg,
-        exp_avg_sq,
-        max_exp_avg_sq,
-        out,
-    } = s;
-    macro_rules! go {
-        ($g:expr, $m:expr, $v:expr, $x:expr) => {
-            match out {
-                OutMut::None => reference::update::<_, _, Bf16>(&consts, param, $g, $m, $v, $x, None),
-                OutMut::Bf16(o) => reference::update(&consts, param, $g, $m, $v, $x, Some(o)),
-                OutMut::F16(o) => reference::update(&consts, param, $g, $m, $v, $x, Some(o)),
-            }
-        };
-    }
-    macro_rules! by_state {
-        ($g:expr) => {
-            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
-                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => go!($g, m, v, Some(x)),
-                (StateMut::F32(m), StateMut::F32(v), _) => go!($g, m, v, None),
-                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => go!($g, m, v, Some(x)),
-                (StateMut::Bf16(m), StateMut::Bf16(v), _) => go!($g, m, v, None),
-                _ => unreachable!("validated: moments share one dtype"),
-            }
-        };
-    }
-    match grad {
-        GradRef::F32(g) => by_state!(g),
-        GradRef::Bf16(g) => by_state!(g),
-        GradRef::F16(g) => by_state!(g),
-        GradRef::InOut => unreachable!("handled above"),
-    }
-}
-
-/// Runs one validated segment on `simd`, on the calling thread; `next` is what this thread
-/// will update after it.
-fn run_segment(simd: Simd, s: Segment<'_>, next: &Lookahead) {
-    match simd {
-        Simd::Scalar => run_reference(s),
-        // SAFETY (all arms): `check_simd` verified that this CPU runs `simd` before any segment.
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => unsafe { run_path::<Avx2Path>(s, next) },
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => unsafe { run_path::<Avx512Path>(s, next) },
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Bf16 => unsafe { run_path::<Avx512Bf16Path>(s, next) },
-        _ => unsafe { run_path::<GenericPath>(s, next) },
     }
 }
 
@@ -1010,22 +1017,6 @@ fn tasks<'a>(chunks: Vec<Segment<'a>>) -> Vec<Vec<Segment<'a>>> {
     tasks
 }
 
-fn run_task(simd: Simd, task: Vec<Segment<'_>>) {
-    let mut it = task.into_iter().peekable();
-    while let Some(s) = it.next() {
-        let next = Lookahead::of(it.peek());
-        run_segment(simd, s, &next);
-    }
-}
-
-fn check_simd(simd: Simd) -> Result<(), String> {
-    if simd.supported() {
-        Ok(())
-    } else {
-        Err(format!("SIMD path {} is not supported by this CPU", simd.name()))
-    }
-}
-
 /// Where the work runs: a thread pool, or (None) the calling thread.
 pub type Pool<'p> = Option<&'p rayon::ThreadPool>;
 
@@ -1036,21 +1027,50 @@ fn for_each<T: Send>(pool: Pool<'_>, items: Vec<T>, f: impl Fn(T) + Sync + Send)
     }
 }
 
+fn map<T: Sync, R: Send>(pool: Pool<'_>, items: &[T], f: impl Fn(&T) -> R + Sync + Send) -> Vec<R> {
+    match pool {
+        Some(p) if p.current_num_threads() > 1 => p.install(|| items.par_iter().map(f).collect()),
+        _ => items.iter().map(f).collect(),
+    }
+}
+
 /// Updates every segment: validates them all first (an error leaves every buffer untouched),
 /// then runs them on `pool` in chunks of at most [`CHUNK`] elements.
-pub fn adam_step(simd: Simd, pool: Pool<'_>, segments: Vec<Segment<'_>>) -> Result<(), String> {
-    check_simd(simd)?;
+pub fn adam_step(simd: Simd, pool: Pool<'_>, segments: Vec<Segment<'_>>) -> Result<()> {
+    struct Step<'p, 'a> {
+        pool: Pool<'p>,
+        tasks: Vec<Vec<Segment<'a>>>,
+    }
+    impl Visit for Step<'_, '_> {
+        type Out = ();
+        unsafe fn visit<P: Path>(self) {
+            for_each(self.pool, self.tasks, |task| {
+                let mut it = task.into_iter().peekable();
+                while let Some(s) = it.next() {
+                    let next = Lookahead::of(it.peek());
+                    // SAFETY: the CPU supports `P` (this visit's contract).
+                    unsafe { run_segment::<P>(s, &next) };
+                }
+            })
+        }
+    }
     for (i, s) in segments.iter().enumerate() {
-        s.validate().map_err(|e| format!("segment {i}: {e}"))?;
+        s.validate().map_err(|e| Error::Value(format!("segment {i}: {e}")))?;
     }
     let mut chunks = Vec::with_capacity(segments.len());
     for s in segments {
         s.chunks(CHUNK, &mut chunks);
     }
-    for_each(pool, tasks(chunks), |t| run_task(simd, t));
-    Ok(())
+    dispatch(
+        simd,
+        Step {
+            pool,
+            tasks: tasks(chunks),
+        },
+    )
 }
 
+/// Gradients cut into chunks of at most [`CHUNK`] elements (`InOut` has none to read).
 fn grad_chunks<'a>(grads: &[GradRef<'a>]) -> Vec<GradRef<'a>> {
     let mut out = Vec::new();
     for g in grads {
@@ -1072,81 +1092,108 @@ fn grad_chunks<'a>(grads: &[GradRef<'a>]) -> Vec<GradRef<'a>> {
     out
 }
 
-fn map_chunks<R: Send>(
-    simd: Simd,
-    pool: Pool<'_>,
-    grads: &[GradRef<'_>],
-    f: impl Fn(Simd, &GradRef<'_>) -> R + Sync + Send,
-) -> Result<Vec<R>, String> {
-    check_simd(simd)?;
-    let chunks = grad_chunks(grads);
-    Ok(match pool {
-        Some(p) if p.current_num_threads() > 1 => p.install(|| chunks.par_iter().map(|c| f(simd, c)).collect()),
-        _ => chunks.iter().map(|c| f(simd, c)).collect(),
-    })
-}
-
 /// Sum of the squares of every gradient element, accumulated in f64. Deterministic: partial sums
 /// of fixed chunks, added in order, whatever the number of threads.
-pub fn grad_sq_norm(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<f64, String> {
-    fn one<P: Path>(g: &GradRef<'_>) -> f64 {
-        // SAFETY: `map_chunks` checked that the CPU runs the path.
-        unsafe {
-            match g {
-                GradRef::F32(s) => P::sq_norm(s),
-                GradRef::Bf16(s) => P::sq_norm(s),
-                GradRef::F16(s) => P::sq_norm(s),
-                GradRef::InOut => 0.0,
-            }
+pub fn grad_sq_norm(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<f64> {
+    struct Norm<'p, 'a>(Pool<'p>, Vec<GradRef<'a>>);
+    impl Visit for Norm<'_, '_> {
+        type Out = f64;
+        unsafe fn visit<P: Path>(self) -> f64 {
+            let parts = map(self.0, &self.1, |g| {
+                // SAFETY: the CPU supports `P` (this visit's contract).
+                unsafe {
+                    match g {
+                        GradRef::F32(s) => P::sq_norm(s),
+                        GradRef::Bf16(s) => P::sq_norm(s),
+                        GradRef::F16(s) => P::sq_norm(s),
+                        GradRef::InOut => 0.0,
+                    }
+                }
+            });
+            parts.iter().sum()
         }
     }
-    let parts = map_chunks(simd, pool, grads, |simd, g| match simd {
-        Simd::Scalar => match g {
-            GradRef::F32(s) => s.iter().map(|x| (*x as f64) * (*x as f64)).sum(),
-            GradRef::Bf16(s) => s.iter().map(|x| (x.to_f32() as f64).powi(2)).sum(),
-            GradRef::F16(s) => s.iter().map(|x| (x.to_f32() as f64).powi(2)).sum(),
-            GradRef::InOut => 0.0,
-        },
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => one::<Avx2Path>(g),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => one::<Avx512Path>(g),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Bf16 => one::<Avx512Bf16Path>(g),
-        _ => one::<GenericPath>(g),
-    })?;
-    Ok(parts.iter().sum())
+    dispatch(simd, Norm(pool, grad_chunks(grads)))
 }
 
 /// Whether any gradient element is an infinity or a NaN. Reads only.
-pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<bool, String> {
-    fn one<P: Path>(g: &GradRef<'_>) -> bool {
-        // SAFETY: `map_chunks` checked that the CPU runs the path.
-        unsafe {
-            match g {
-                GradRef::F32(s) => P::nonfinite(s),
-                GradRef::Bf16(s) => P::nonfinite(s),
-                GradRef::F16(s) => P::nonfinite(s),
-                GradRef::InOut => false,
-            }
+pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<bool> {
+    struct NonFinite<'p, 'a>(Pool<'p>, Vec<GradRef<'a>>);
+    impl Visit for NonFinite<'_, '_> {
+        type Out = bool;
+        unsafe fn visit<P: Path>(self) -> bool {
+            let parts = map(self.0, &self.1, |g| {
+                // SAFETY: the CPU supports `P` (this visit's contract).
+                unsafe {
+                    match g {
+                        GradRef::F32(s) => P::nonfinite(s),
+                        GradRef::Bf16(s) => P::nonfinite(s),
+                        GradRef::F16(s) => P::nonfinite(s),
+                        GradRef::InOut => false,
+                    }
+                }
+            });
+            parts.into_iter().any(|b| b)
         }
     }
-    let parts = map_chunks(simd, pool, grads, |simd, g| match simd {
-        Simd::Scalar => match g {
-            GradRef::F32(s) => s.iter().any(|x| !x.is_finite()),
-            GradRef::Bf16(s) => s.iter().any(|x| !x.to_f32().is_finite()),
-            GradRef::F16(s) => s.iter().any(|x| !x.to_f32().is_finite()),
-            GradRef::InOut => false,
-        },
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => one::<Avx2Path>(g),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 => one::<Avx512Path>(g),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Bf16 => one::<Avx512Bf16Path>(g),
-        _ => one::<GenericPath>(g),
-    })?;
-    Ok(parts.into_iter().any(|b| b))
+    dispatch(simd, NonFinite(pool, grad_chunks(grads)))
+}
+
+/// A host buffer of any of the kernel's element types, to write.
+pub enum HostMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [Bf16]),
+    F16(&'a mut [F16]),
+}
+
+impl HostMut<'_> {
+    pub fn len(&self) -> usize {
+        match self {
+            HostMut::F32(s) => s.len(),
+            HostMut::Bf16(s) => s.len(),
+            HostMut::F16(s) => s.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn add_into<D: Elem, S: Elem>(dst: &mut [D], src: &[S]) {
+    for (d, s) in dst.iter_mut().zip(src) {
+        *d = D::from_f32(d.to_f32() + s.to_f32());
+    }
+}
+
+/// `dst += src` element by element, computed in f32 and rounded to `dst`'s dtype: the rounding
+/// torch does when it adds a gradient into an existing one.
+pub fn accumulate(pool: Pool<'_>, dst: HostMut<'_>, src: GradRef<'_>) -> Result<()> {
+    if dst.len() != src.len() || matches!(src, GradRef::InOut) {
+        return Err(Error::Value(format!(
+            "src: has {} elements, dst {}",
+            src.len(),
+            dst.len()
+        )));
+    }
+    macro_rules! go {
+        ($d:expr, $s:expr) => {{
+            let pairs: Vec<_> = $d.chunks_mut(CHUNK).zip($s.chunks(CHUNK)).collect();
+            for_each(pool, pairs, |(d, s)| add_into(d, s));
+        }};
+    }
+    match (dst, src) {
+        (HostMut::F32(d), GradRef::F32(s)) => go!(d, s),
+        (HostMut::F32(d), GradRef::Bf16(s)) => go!(d, s),
+        (HostMut::F32(d), GradRef::F16(s)) => go!(d, s),
+        (HostMut::Bf16(d), GradRef::F32(s)) => go!(d, s),
+        (HostMut::Bf16(d), GradRef::Bf16(s)) => go!(d, s),
+        (HostMut::Bf16(d), GradRef::F16(s)) => go!(d, s),
+        (HostMut::F16(d), GradRef::F32(s)) => go!(d, s),
+        (HostMut::F16(d), GradRef::Bf16(s)) => go!(d, s),
+        (HostMut::F16(d), GradRef::F16(s)) => go!(d, s),
+        (_, GradRef::InOut) => unreachable!("refused above"),
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -1515,7 +1562,7 @@ mod tests {
             out: OutMut::None,
         };
         let err = adam_step(Simd::best(), None, vec![good, bad]).unwrap_err();
-        assert!(err.contains("exp_avg_sq has 7 elements"), "{err}");
+        assert!(err.message().contains("exp_avg_sq has 7 elements"), "{err}");
         assert_eq!(p, before);
         assert_eq!(p2, vec![1.0f32; 4]);
         let mut h2 = h;
@@ -1524,5 +1571,33 @@ mod tests {
         h2 = h;
         h2.lr = f64::NAN;
         assert!(h2.validate().unwrap_err().contains("learning rate"));
+    }
+
+    #[test]
+    fn accumulation_rounds_like_torch() {
+        // bf16 += bf16 is computed in f32 and rounded once, as torch's `grad += new` on bf16.
+        let a = [1.0f32, 1.0, 3.0e38, -2.5];
+        let b = [1.0f32 / 256.0, 3.0 / 256.0, 3.0e38, 0.5];
+        let mut d: Vec<Bf16> = a.iter().map(|&x| Bf16::from_f32(x)).collect();
+        let s: Vec<Bf16> = b.iter().map(|&x| Bf16::from_f32(x)).collect();
+        accumulate(None, HostMut::Bf16(&mut d), GradRef::Bf16(&s)).unwrap();
+        let want: Vec<Bf16> = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| Bf16::from_f32(Bf16::from_f32(*x).to_f32() + Bf16::from_f32(*y).to_f32()))
+            .collect();
+        assert_eq!(d, want);
+        assert!(d[2].to_f32().is_infinite());
+        let n = 3 * CHUNK + 5;
+        let mut d32 = vec![1.0f32; n];
+        let s16: Vec<F16> = (0..n).map(|i| F16::from_f32((i % 7) as f32)).collect();
+        accumulate(
+            crate::pool::get(2).unwrap().as_deref(),
+            HostMut::F32(&mut d32),
+            GradRef::F16(&s16),
+        )
+        .unwrap();
+        assert!(d32.iter().enumerate().all(|(i, x)| *x == 1.0 + (i % 7) as f32));
+        assert!(accumulate(None, HostMut::F32(&mut d32[..3]), GradRef::F16(&s16[..4])).is_err());
     }
 }

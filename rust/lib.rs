@@ -1,18 +1,21 @@
 //! offload_adam: a fused, SIMD, multithreaded Adam/AdamW for PyTorch optimizer state kept in host
-//! memory. Layers (see DESIGN.md): `elem`/`isa`/`kernel` are pure Rust over slices; `pool` holds
-//! the fork-safe thread pools; `dlpack` and `bindings` (feature `python`) talk to torch.
+//! memory. See ARCHITECTURE.md for the rooms of the code.
+//!
+//! The core never touches Python: `elem` (element types), `isa` (run-time SIMD choice), `kernel`
+//! (the update and the gradient reductions, one dispatch for all of them), `layout` (slots of
+//! the flat buffers and the memory-disjointness checks), `pool` (fork-safe thread pools) and
+//! `error`. The binding layer `py` (feature `python`) imports torch tensors through DLPack and
+//! exposes the core to Python.
 
 // NaN-aware checks are written `!(x >= 0.0)` on purpose; kernels take many buffers.
 #![allow(clippy::neg_cmp_op_on_partial_ord, clippy::too_many_arguments)]
 
 pub mod elem;
+pub mod error;
 pub mod isa;
 pub mod kernel;
+pub mod layout;
 pub mod pool;
 
 #[cfg(feature = "python")]
-mod bindings;
-#[cfg(feature = "python")]
-mod dlpack;
-#[cfg(feature = "python")]
-mod hostset;
+mod py;

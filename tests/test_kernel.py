@@ -183,21 +183,22 @@ def test_bad_buffers_are_named_and_refused() -> None:
         assert torch.equal(a, b)
 
 
-def test_param_set_keeps_its_buffers_alive() -> None:
-    ps = [torch.nn.Parameter(torch.randn(100))]
-    opt = offload_adam.AdamW(ps, lr=0.1)
-    bufs = opt._buffers[0]
-    addr = bufs.exp_avg.data_ptr()
-    # Drop every Python reference to the flat buffers: the ParamSet's DLPack imports hold them.
-    opt._buffers[0] = None  # type: ignore[call-overload]
-    del bufs
+HYPER = (0.1, 0.9, 0.999, 1e-8, 0.0, True, False, False)
+
+
+def test_state_set_keeps_its_buffers_alive() -> None:
+    p = torch.nn.Parameter(torch.randn(100))
+    m, v, steps = torch.zeros(112), torch.zeros(112), torch.zeros(1)
+    addr = m.data_ptr()
+    s = _native.StateSet([100], [0], ["p"], m, v, steps, params=[p])
+    # Drop every Python reference to the flat buffers: the set's DLPack imports hold them.
+    del m, v, steps
     gc.collect()
-    junk = [torch.full((100,), 7.0) for _ in range(50)]  # would reuse freed memory
-    ps[0].grad = torch.ones(100)
-    opt._buffers[0] = type("B", (), {"max_exp_avg_sq": None})()  # type: ignore[call-overload]
-    _native.adam_step(opt._sets, opt.param_groups, num_threads=1)
-    assert all(float(j.sum()) == 700.0 for j in junk)
-    assert addr != 0 and ps[0].detach().abs().max() < 10
+    junk = [torch.full((112,), 7.0) for _ in range(50)]  # would reuse freed memory
+    p.grad = torch.ones(100)
+    assert _native.adam_step([s], [HYPER], [None], num_threads=1) == [[0]]
+    assert all(float(j.sum()) == 784.0 for j in junk)
+    assert addr != 0 and p.detach().abs().max() < 10
 
 
 @pytest.mark.parametrize("dst_dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -215,16 +216,56 @@ def test_grad_accumulate_rounds_like_torch(dst_dtype: torch.dtype, src_dtype: to
         _native.grad_accumulate(dst, dst)
 
 
-def test_host_set_refuses_overlapping_buffers() -> None:
+def test_state_set_checks_its_buffers_and_selections() -> None:
     n = 32
     master, m, v, steps, g = torch.zeros(n), torch.zeros(n), torch.zeros(n), torch.zeros(1), torch.zeros(n)
-    hs = _native.HostSet([0], [n], [0], [0], master, m, v, steps, [g, None, None], [None, None, None])
-    with pytest.raises(ValueError, match="shares memory"):
-        hs.set_max_exp_avg_sq(v)
-    with pytest.raises(ValueError, match="past the end"):
-        _native.HostSet([0], [n + 1], [0], [0], master, m, v, steps, [g, None, None], [None, None, None])
+    landing = dict(landing=[g, None, None], landing_slots=[(0, 0)])
+    s = _native.StateSet([n], [0], ["p"], m, v, steps, master, **landing)
+    assert not s.in_place and s.grads_landed and len(s) == 1
     with pytest.raises(ValueError, match="share memory"):
-        _native.HostSet([0], [n], [0], [0], master, m, m, steps, [g, None, None], [None, None, None])
-    with pytest.raises(ValueError, match="indices"):
-        _native.host_step(hs, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
-                               "decoupled_weight_decay": True, "amsgrad": False, "maximize": False}, [0, 0], num_threads=1)
+        s.set_max_exp_avg_sq(v)
+    with pytest.raises(ValueError, match="past the end"):
+        _native.StateSet([n + 1], [0], ["p"], m, v, steps, master, **landing)
+    with pytest.raises(ValueError, match="share memory"):
+        _native.StateSet([n], [0], ["p"], m, m, steps, master, **landing)
+    with pytest.raises(ValueError, match="master buffer"):
+        _native.StateSet([n], [0], ["p"], m, v, steps, **landing)
+    with pytest.raises(ValueError, match="overlapping state slots"):
+        _native.StateSet([16, 16], [0, 8], ["a", "b"], m, v, torch.zeros(2), master, landing=[g, None, None], landing_slots=[(0, 0), (0, 16)])
+    with pytest.raises(ValueError, match="no landing buffer"):
+        _native.StateSet([n], [0], ["p"], m, v, steps, master, landing=[g, None, None], landing_slots=[(1, 0)])
+    with pytest.raises(ValueError, match="repeated"):
+        _native.adam_step([s], [HYPER], [[0, 0]], num_threads=1)
+    with pytest.raises(ValueError, match="selections: required"):
+        _native.adam_step([s], [HYPER], [None], num_threads=1)
+    with pytest.raises(ValueError, match="param group 0: Invalid learning rate"):
+        _native.adam_step([s], [(float("nan"), *HYPER[1:])], [[0]], num_threads=1)
+    # Two sets of one step must not share memory.
+    p = torch.nn.Parameter(torch.randn(n))
+    a = _native.StateSet([n], [0], ["a"], torch.zeros(n), torch.zeros(n), torch.zeros(1), params=[p])
+    b = _native.StateSet([n], [0], ["b"], torch.zeros(n), torch.zeros(n), torch.zeros(1), params=[p])
+    p.grad = torch.ones(n)
+    with pytest.raises(ValueError, match="share memory"):
+        _native.adam_step([a, b], [HYPER, HYPER], [None, None], num_threads=1)
+    with pytest.raises(ValueError, match="share memory"):
+        a.check_disjoint([b])
+
+
+def test_a_set_reads_its_gradients_from_landing_buffers_and_writes_masters() -> None:
+    """Copy mode: a bfloat16 slot reads its gradient from the landing slot, then overwrites it
+    with the rounded new weights; a float32 slot's weights are its master."""
+    n = 20
+    master = torch.randn(64)
+    m, v = torch.zeros(64), torch.zeros(64)
+    g32, g16 = torch.randn(32), torch.randn(32).bfloat16()
+    refs = []
+    for off, g in ((0, g32[:n]), (32, g16[:n].float())):
+        ref = (master[off : off + n].clone(), g.clone(), torch.zeros(n), torch.zeros(n))
+        _native.adam_update(*ref, step=1, lr=0.1)
+        refs.append(ref[0])
+    s = _native.StateSet([n, n], [0, 32], ["f", "b"], m, v, torch.zeros(2), master,
+                         landing=[g32, g16, None], landing_slots=[(0, 0), (1, 0)])  # fmt: skip
+    assert _native.adam_step([s], [HYPER], [[0, 1]], num_threads=1) == [[0, 1]]
+    assert torch.equal(master[:n], refs[0])
+    assert torch.equal(master[32 : 32 + n], refs[1])
+    assert torch.equal(g16[:n], refs[1].bfloat16())

@@ -1,10 +1,12 @@
 """The GPU-offload machinery (hooks, buckets, worker, copy-back, pre-hook waits, accumulation,
-clipping, GradScaler), run on CPU parameters through OFFLOAD_ADAM_FORCE_STREAMING=1: only the
-CUDA specifics (streams, events, pinned memory) are replaced by a host stand-in."""
+clipping, GradScaler), run on CPU parameters through a simulated asynchronous device: side
+streams are worker threads that run copies late (random seeded delays), waits of the current
+stream are honoured lazily, and memory freed under a queued copy is poisoned with NaN."""
 
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,15 +15,21 @@ import torch
 from helpers import max_diff
 
 import offload_adam
-from offload_adam import AdamW
+from offload_adam import AdamW, testing
+from offload_adam.simdevice import SimulatedDevice
 
 TOL = 2e-5
+SEEDS = [0, 1, 2]
 
 
 @pytest.fixture(autouse=True)
-def _force_streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setenv("OFFLOAD_ADAM_FORCE_STREAMING", "1")
-    yield
+def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice]:
+    """Every test runs on a simulated device; tests parametrized by ``seed`` under several."""
+    callspec = getattr(request.node, "callspec", None)
+    seed = callspec.params.get("seed", 0) if callspec is not None else 0
+    with testing.simulated_device(seed=seed, max_delay_s=0.002) as dev:
+        yield dev
+    assert dev.violations == []
 
 
 class Net(torch.nn.Module):
@@ -66,10 +74,11 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, tol: float = TOL
         assert max_diff(p.float(), q) <= tol, n
 
 
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("mode", [{}, {"async_step": True}, {"free_gradients": True}, {"free_gradients": True, "async_step": True}])
-def test_training_matches_torch(mode: dict[str, Any]) -> None:
+def test_training_matches_torch(mode: dict[str, Any], seed: int) -> None:
     a, b, ours, ref = twins(**mode, weight_decay=0.1, amsgrad=True)
-    assert ours._streamer is not None and len(ours._streamer.buckets) > 3
+    assert ours._engine.streamed is not None and len(ours._engine.streamed.buckets) > 3
     for x in batches(40):
         for m, o in ((a, ours), (b, ref)):
             o.zero_grad()
@@ -97,8 +106,8 @@ def test_param_groups_and_a_scheduler_cycling_betas(async_step: bool) -> None:
             {"params": list(m.emb.parameters()) + list(m.norm.parameters()), "lr": 3e-3, "amsgrad": True},
         ]
 
-    ours = AdamW(groups(a), lr=1e-2, bucket_mb=0.001, async_step=async_step)
-    ours._streamer.test_delay_s = 0.002 if async_step else 0.0
+    with testing.engine_hooks(before_bucket=lambda k: time.sleep(0.002 if async_step else 0.0)):
+        ours = AdamW(groups(a), lr=1e-2, bucket_mb=0.001, async_step=async_step)
     ref = torch.optim.AdamW(groups(b), lr=1e-2, foreach=False)
     s1 = torch.optim.lr_scheduler.OneCycleLR(ours, max_lr=[1e-2, 3e-3], total_steps=30)
     s2 = torch.optim.lr_scheduler.OneCycleLR(ref, max_lr=[1e-2, 3e-3], total_steps=30)
@@ -112,8 +121,9 @@ def test_param_groups_and_a_scheduler_cycling_betas(async_step: bool) -> None:
     assert_same_weights(a, b)
 
 
+@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("free", [False, True])
-def test_gradient_accumulation_is_exact(free: bool) -> None:
+def test_gradient_accumulation_is_exact(free: bool, seed: int) -> None:
     a, b, ours, ref = twins(free_gradients=free)
     data = batches(24)
     for k in range(0, 24, 4):
@@ -199,9 +209,10 @@ def test_grad_scaler_with_free_gradients_is_refused_clearly() -> None:
         s.update()
 
 
-def test_async_step_never_lets_a_forward_read_a_stale_weight() -> None:
-    a, b, ours, ref = twins(async_step=True)
-    ours._streamer.test_delay_s = 0.02  # a deliberately slow step: the next forward overtakes it
+@pytest.mark.parametrize("seed", SEEDS)
+def test_async_step_never_lets_a_forward_read_a_stale_weight(seed: int) -> None:
+    with testing.engine_hooks(before_bucket=lambda k: time.sleep(0.02)):  # the next forward overtakes the step
+        a, b, ours, ref = twins(async_step=True)
     for x in batches(6):
         ours.zero_grad()
         loss_of(a, x).backward()
@@ -217,36 +228,55 @@ def test_async_step_never_lets_a_forward_read_a_stale_weight() -> None:
 
 
 def test_worker_errors_reach_the_caller_and_leave_state_consistent() -> None:
-    a, _, ours, _ = twins(async_step=True)
+    fail = [True]
+
+    def before_bucket(k: int) -> None:
+        if fail[0]:
+            raise RuntimeError("disk on fire")
+
+    with testing.engine_hooks(before_bucket=before_bucket):
+        a, _, ours, _ = twins(async_step=True)
     x = batches(1)[0]
     loss_of(a, x).backward()
-    ours.param_groups[0]["lr"] = float("nan")
     before = [p.detach().clone() for p in a.parameters()]
+    ours.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError, match="Invalid learning rate"):  # refused before anything runs
+        ours.step()
+    ours.param_groups[0]["lr"] = 1e-2
     ours.step()
-    with pytest.raises(RuntimeError, match="Invalid learning rate"):
+    with pytest.raises(RuntimeError, match="disk on fire"):
         ours.synchronize()
     for p, w in zip(a.parameters(), before):
         assert torch.equal(p.detach(), w)
-    ours.param_groups[0]["lr"] = 1e-2
+    assert len(ours.state) == 0  # no state handed out for a step that did not run
+    fail[0] = False
     ours.step()  # the gradients are still there: this step applies them
     ours.synchronize()
     assert any(not torch.equal(p.detach(), w) for p, w in zip(a.parameters(), before))
 
 
+def _interrupt_at(n: int) -> Any:
+    def hook(k: int) -> None:
+        if k == n:
+            raise KeyboardInterrupt
+
+    return hook
+
+
 def test_keyboard_interrupt_leaves_each_bucket_updated_or_untouched() -> None:
-    a, _, ours, _ = twins()
+    with testing.engine_hooks(before_bucket=_interrupt_at(2)):
+        a, _, ours, _ = twins()
     x = batches(1)[0]
     loss_of(a, x).backward()
     before = {id(p): p.detach().clone() for p in a.parameters()}
-    ours._streamer.test_interrupt_at = 2
     with pytest.raises(KeyboardInterrupt):
         ours.step()
-    ours._streamer.test_interrupt_at = -1
-    st = ours._streamer
-    work = [bk for bk in st.buckets if any(st.recs[i].has_grad or id(st.recs[i].param) in before for i in bk.recs)]
+    st = ours._engine.streamed
     updated = untouched = 0
-    for bk in work:
-        ps = [st.recs[i].param for i in bk.recs if st.recs[i].param.grad is not None]
+    for bk in st.buckets:
+        ps = [r.param for r in bk.recs if r.param.grad is not None]
+        if not ps:
+            continue
         changed = [not torch.equal(p.detach(), before[id(p)]) for p in ps]
         assert all(changed) or not any(changed)
         updated += all(changed) and bool(changed)
@@ -360,6 +390,7 @@ def test_profiler_sees_named_ranges() -> None:
 
 def test_streaming_is_reported_by_the_package() -> None:
     assert offload_adam.streaming_forced()
+    assert testing.active_device() is not None
 
 
 @pytest.mark.cuda
@@ -391,7 +422,7 @@ def test_gradients_reach_the_host_during_backward(free: bool) -> None:
     """Every bucket is copied by the backward hooks, before step(): a parameter that never gets
     a gradient (the unused layer) does not hold its bucket back after the first step."""
     a, _, ours, _ = twins(free_gradients=free)
-    st = ours._streamer
+    st = ours._engine.streamed
     for i, x in enumerate(batches(3)):
         ours.zero_grad()
         loss_of(a, x).backward()

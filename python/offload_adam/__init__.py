@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _native
 from .optimizer import Adam, AdamW
-from .streaming import force_streaming as streaming_forced
+from .testing import force_streaming as streaming_forced
 
 try:
     __version__ = version("offload-adam")

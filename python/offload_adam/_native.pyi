@@ -8,14 +8,12 @@ from torch import Tensor
 __all__ = [
     "CHUNK",
     "LANES",
-    "HostSet",
-    "ParamSet",
+    "StateSet",
     "adam_step",
     "adam_update",
     "grad_accumulate",
     "grad_sq_norm",
     "grads_nonfinite",
-    "host_step",
     "simd_path",
     "simd_paths",
 ]
@@ -24,70 +22,46 @@ CHUNK: int
 LANES: int
 
 @final
-class ParamSet:
-    """The parameters of one param group with their flat host state buffers, imported via DLPack."""
+class StateSet:
+    """The host state of one param group: flat state buffers and slot layout, with weights written
+    in place (``params``) or into the masters, and gradients from ``.grad`` or landing buffers."""
 
     def __new__(
         cls,
-        params: Sequence[Tensor],
-        exports: Sequence[Tensor],
-        offsets: Sequence[int],
+        lens: Sequence[int],
+        state_offsets: Sequence[int],
         names: Sequence[str],
         exp_avg: Tensor,
         exp_avg_sq: Tensor,
         steps: Tensor,
         master: Tensor | None = None,
         max_exp_avg_sq: Tensor | None = None,
-    ) -> ParamSet: ...
+        *,
+        params: Sequence[Tensor] | None = None,
+        landing: Sequence[Tensor | None] | None = None,
+        landing_slots: Sequence[tuple[int, int]] | None = None,
+    ) -> StateSet: ...
     def set_max_exp_avg_sq(self, buf: Tensor) -> None: ...
     @property
     def has_max_exp_avg_sq(self) -> bool: ...
-    def __len__(self) -> int: ...
-    def check_disjoint(self, others: Sequence[ParamSet]) -> None: ...
-
-@final
-class HostSet:
-    """The flat host buffers of one offloaded param group (masters, landing buffers, copies, moments)."""
-
-    def __new__(
-        cls,
-        state_offsets: Sequence[int],
-        lens: Sequence[int],
-        kinds: Sequence[int],
-        grad_offsets: Sequence[int],
-        master: Tensor,
-        exp_avg: Tensor,
-        exp_avg_sq: Tensor,
-        steps: Tensor,
-        grads: Sequence[Tensor | None],
-        outs: Sequence[Tensor | None],
-        max_exp_avg_sq: Tensor | None = None,
-    ) -> HostSet: ...
-    def set_max_exp_avg_sq(self, buf: Tensor) -> None: ...
     @property
-    def has_max_exp_avg_sq(self) -> bool: ...
+    def in_place(self) -> bool: ...
+    @property
+    def grads_landed(self) -> bool: ...
     def __len__(self) -> int: ...
+    def check_disjoint(self, others: Sequence[StateSet]) -> None: ...
 
-def host_step(
-    set: HostSet,
-    group: dict[str, Any],
-    indices: Sequence[int],
-    *,
-    num_threads: int,
-    grad_scale: float = 1.0,
-    bias_correction: bool = True,
-    simd: str | None = None,
-) -> list[int]: ...
-def grad_accumulate(dst: Any, src: Any, *, num_threads: int = 1) -> None: ...
 def adam_step(
-    sets: Sequence[ParamSet],
-    groups: Sequence[dict[str, Any]],
+    sets: Sequence[StateSet],
+    hypers: Sequence[tuple[float, float, float, float, float, bool, bool, bool]],
+    selections: Sequence[Sequence[int] | None],
     *,
     num_threads: int,
     grad_scale: float = 1.0,
     bias_correction: bool = True,
     simd: str | None = None,
 ) -> list[list[int]]: ...
+def grad_accumulate(dst: Any, src: Any, *, num_threads: int = 1) -> None: ...
 def adam_update(
     param: Any,
     grad: Any,

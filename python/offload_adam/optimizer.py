@@ -1,17 +1,17 @@
 """Drop-in ``torch.optim.Adam``/``AdamW`` whose step runs in the Rust kernel on host buffers.
 
-The state of each param group lives in flat host buffers, allocated once and imported by the
-Rust side once (DLPack): ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with amsgrad) in
-``state_dtype``, fp32 master weights for bfloat16/float16 parameters, and the step counts. The
-entries of ``optimizer.state[p]`` are views into them, so ``state_dict()`` has torch's format and
-``load_state_dict()`` copies into them. No math happens here.
+This module is torch's public surface only: arguments and their validation, param groups,
+``state``, ``state_dict``/``load_state_dict``, hooks, copies. The state of each param group is a
+:class:`~offload_adam.state.GroupState` (flat host buffers; the entries of ``optimizer.state[p]``
+are views into them, so ``state_dict()`` has torch's format), and one
+:class:`~offload_adam.engine.Engine` runs the steps. No math happens here.
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,19 +19,22 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from . import _native
-from .streaming import Streamer, force_streaming
+from .engine import Engine, Hyper
+from .state import STATE_KEYS, GroupState
 
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OFFLOAD_MODES = ("cpu",)
-_DEFAULT_BUCKET_BYTES = 32 << 20
-_ALIGN = _native.LANES  # state slots start on a SIMD block boundary
-_TENSOR_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
-def _scalar(x: float | Tensor, what: str) -> float:
+def _to_scalar(x: Any) -> Any:
+    """torch's ``_to_scalar``: a 1-element tensor becomes 0-d; anything else is kept."""
+    return x.squeeze() if isinstance(x, Tensor) and x.dim() != 0 else x
+
+
+def _float(x: Any, what: str) -> float:
     if isinstance(x, Tensor):
         if x.numel() != 1:
             raise ValueError(f"Tensor {what} must be 1-element")
@@ -39,58 +42,148 @@ def _scalar(x: float | Tensor, what: str) -> float:
     return float(x)
 
 
-def _check_hyper(lr: float | Tensor, betas: Any, eps: float, weight_decay: float) -> tuple[float, float]:
-    """torch's checks and messages, plus NaN (which torch's ``0.0 <= x`` lets through silently)."""
-    lr_f = _scalar(lr, "lr")
-    if not 0.0 <= lr_f or math.isinf(lr_f):
+def _check_init(lr: Any, betas: Any, eps: float, weight_decay: float, foreach: bool | None, capturable: bool) -> None:
+    """torch's checks of ``Adam.__init__``, in its order and with its messages (plus NaN and inf
+    learning rates, which the kernel refuses)."""
+    if isinstance(lr, Tensor):
+        if foreach and not capturable:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+    if not 0.0 <= lr or math.isinf(float(lr)):
         raise ValueError(f"Invalid learning rate: {lr}")
     if not 0.0 <= eps:
         raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not 0.0 <= weight_decay:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not (
+        (isinstance(betas[0], float) and isinstance(betas[1], float))
+        or (isinstance(betas[0], Tensor) and isinstance(betas[1], Tensor))
+    ):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for k in (0, 1):
+        if isinstance(betas[k], Tensor):
+            if not capturable and foreach:
+                raise ValueError(f"betas[{k}] as a Tensor is not supported for capturable=False and foreach=True")
+            if betas[k].numel() != 1:
+                raise ValueError(f"Tensor betas[{k}] must be 1-element")
+
+
+def _hyper(group: dict[str, Any]) -> Hyper:
+    """A param group's hyper-parameters as the kernel takes them, checked: the one place they
+    enter the kernel (any pair for betas: a tuple, a list from a config file, tensors)."""
+    lr = _float(group["lr"], "lr")
+    if not 0.0 <= lr or math.isinf(lr):
+        raise ValueError(f"Invalid learning rate: {lr}")
     try:
-        b1, b2 = betas
+        b1, b2 = group["betas"]
     except (TypeError, ValueError):
-        raise ValueError(f"betas must be a pair of floats, got {betas!r}") from None
-    b1, b2 = _scalar(b1, "betas[0]"), _scalar(b2, "betas[1]")
+        raise ValueError(f"betas must be a pair of floats, got {group['betas']!r}") from None
+    b1, b2 = _float(b1, "betas[0]"), _float(b2, "betas[1]")
     if not 0.0 <= b1 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {b1}")
     if not 0.0 <= b2 < 1.0:
         raise ValueError(f"Invalid beta parameter at index 1: {b2}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    return b1, b2
+    eps, wd = float(group["eps"]), float(group["weight_decay"])
+    if not 0.0 <= eps:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not 0.0 <= wd:
+        raise ValueError(f"Invalid weight_decay value: {wd}")
+    return (lr, b1, b2, eps, wd, bool(group["decoupled_weight_decay"]), bool(group["amsgrad"]), bool(group["maximize"]))
 
 
-@dataclass
-class _Buffers:
-    """The flat host buffers of one param group (what the ParamSet imported)."""
+class _Entry(dict):  # type: ignore[type-arg]
+    """An entry of ``optimizer.state``: notes when code other than ours writes it."""
 
-    exp_avg: Tensor
-    exp_avg_sq: Tensor
-    steps: Tensor
-    offsets: list[int]
-    master: Tensor | None
-    max_exp_avg_sq: Tensor | None = None
+    def __init__(self, *args: Any, owner: _State | None = None, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.owner = owner
 
-    def tensors(self) -> list[Tensor]:
-        return [t for t in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.steps) if t is not None]
+    def _touch(self) -> None:
+        if self.owner is not None:
+            self.owner.dirty = True
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self._touch()
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        self._touch()
+        super().__delitem__(k)
+
+    def update(self, *a: Any, **kw: Any) -> None:
+        self._touch()
+        super().update(*a, **kw)
+
+    def pop(self, *a: Any) -> Any:
+        self._touch()
+        return super().pop(*a)
+
+    def setdefault(self, *a: Any) -> Any:
+        self._touch()
+        return super().setdefault(*a)
+
+    def clear(self) -> None:
+        self._touch()
+        super().clear()
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
 
 
-def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
-    """The slot of ``p`` in ``flat``, shaped (and strided) like ``p``."""
-    if p.is_complex():
-        real = torch.as_strided(flat, (*p.shape, 2), (*(2 * s for s in p.stride()), 1), offset)
-        return torch.view_as_complex(real)
-    return torch.as_strided(flat, p.shape, p.stride(), offset)
+class _State(defaultdict):  # type: ignore[type-arg]
+    """``optimizer.state``: a defaultdict that notes writes by code other than ours, so that the
+    next step takes them over (``ZeroRedundancyOptimizer`` assigns ``optim.state[p] = {...}``)."""
+
+    def __init__(self) -> None:
+        super().__init__(dict)
+        self.dirty = False
+
+    def __missing__(self, key: Any) -> Any:
+        v = _Entry(owner=self)
+        dict.__setitem__(self, key, v)
+        return v
+
+    def install(self, key: Any, value: dict[str, Any]) -> None:
+        """Our own write: no takeover needed."""
+        dict.__setitem__(self, key, _Entry(value, owner=self))
+
+    def __setitem__(self, k: Any, v: Any) -> None:
+        self.dirty = True
+        super().__setitem__(k, v)
+
+    def __delitem__(self, k: Any) -> None:
+        self.dirty = True
+        super().__delitem__(k)
+
+    def update(self, *a: Any, **kw: Any) -> None:
+        self.dirty = True
+        super().update(*a, **kw)
+
+    def pop(self, *a: Any) -> Any:
+        self.dirty = True
+        return super().pop(*a)
+
+    def setdefault(self, *a: Any) -> Any:
+        self.dirty = True
+        return super().setdefault(*a)
+
+    def clear(self) -> None:
+        self.dirty = True
+        super().clear()
+
+    def __reduce__(self) -> Any:
+        return (dict, (dict(self),))
 
 
-def _byte_range(t: Tensor) -> tuple[int, int]:
-    """The bytes of ``t``'s storage that ``t`` can reach (its whole storage: cheap and safe)."""
+def _aliases(t: Tensor, ranges: list[tuple[int, int]]) -> bool:
+    """Whether ``t``'s storage shares a byte with one of ``ranges``."""
     st = t.untyped_storage()
-    return st.data_ptr(), st.data_ptr() + st.nbytes()
-
-
-def _overlaps_any(t: Tensor, ranges: list[tuple[int, int]]) -> bool:
-    lo, hi = _byte_range(t)
+    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
     return hi > lo and any(a < hi and lo < b for a, b in ranges)
 
 
@@ -128,15 +221,17 @@ class Adam(Optimizer):
             the GPU holds at most a window of buckets of gradients (default False: ``p.grad``
             stays, as in torch, for code that reads or edits it between backward and step).
         async_step: CUDA parameters only: ``step()`` returns at once; each module's forward waits
-            for the buckets of its own parameters. Read weights outside a forward (an EMA,
+            for the buckets it reads. Read weights outside a forward (an EMA,
             ``model.state_dict()``, ``p.cpu()``) only after ``optimizer.synchronize()``.
         bucket_mb: size of a gradient transfer bucket, in MiB of gradient (default 32).
 
     Supported parameters: float32, bfloat16, float16 and complex64 tensors on the CPU, dense in
-    memory. A bfloat16/float16 parameter gets an fp32 master copy (``state[p]["master_param"]``);
-    the kernel updates the master and writes the rounded weights into the parameter in the same
-    pass. If the parameter's value no longer equals its rounded master (a checkpoint was loaded
-    into the model, or it was edited), the kernel first takes the parameter's value as the master.
+    memory, and float32/bfloat16/float16 CUDA tensors (offloaded). A bfloat16/float16 parameter
+    gets an fp32 master copy (``state[p]["master_param"]``); the kernel updates the master and
+    writes the rounded weights into the parameter in the same pass. If the parameter's value no
+    longer equals its rounded master (a checkpoint was loaded into the model, or it was edited),
+    the kernel first takes the parameter's value as the master. Parameters on the meta device
+    are bound at the first step, once materialized (``module.to_empty()``).
     """
 
     def __init__(
@@ -162,9 +257,7 @@ class Adam(Optimizer):
         async_step: bool = False,
         bucket_mb: float = 32,
     ) -> None:
-        if isinstance(lr, Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
-        b1, b2 = _check_hyper(lr, betas, eps, weight_decay)
+        _check_init(lr, betas, eps, weight_decay, foreach, capturable)
         if capturable:
             raise ValueError(
                 "capturable=True is not supported: offload_adam runs the step on the CPU, "
@@ -174,6 +267,8 @@ class Adam(Optimizer):
             raise ValueError("differentiable=True is not supported: the fused kernel is not recorded by autograd")
         if fused not in (None, False, True):
             raise ValueError(f"fused must be None, False or True, got {fused!r}")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if state_dtype not in _STATE_DTYPES:
             raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
         if offload not in _OFFLOAD_MODES:
@@ -185,22 +280,18 @@ class Adam(Optimizer):
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
         _native.simd_path()  # raises now if OFFLOAD_ADAM_SIMD names a path this CPU lacks
-        self._num_threads = num_threads
-        self._state_dtype = state_dtype
-        self._bias_correction = bool(bias_correction)
-        self.offload = offload
-        self._free_gradients = bool(free_gradients)
-        self._async_step = bool(async_step)
-        self._bucket_bytes = int(bucket_mb * (1 << 20))
-        # Per param group: the native set of a CPU group (None for a streamed group).
-        self._sets: list[_native.ParamSet | None] = []
-        self._buffers: list[_Buffers | None] = []
-        self._streamer: Streamer | None = None
-        self._clip_coef = 1.0
-        self._step_supports_amp_scaling = True
+        self._configure(
+            num_threads=num_threads,
+            state_dtype=state_dtype,
+            offload=offload,
+            bias_correction=bool(bias_correction),
+            free_gradients=bool(free_gradients),
+            async_step=bool(async_step),
+            bucket_bytes=int(bucket_mb * (1 << 20)),
+        )
         defaults = dict(
             lr=lr,
-            betas=(b1, b2),
+            betas=(_to_scalar(betas[0]), _to_scalar(betas[1])),
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
@@ -213,24 +304,56 @@ class Adam(Optimizer):
         )
         super().__init__(params, defaults)
 
+    def _configure(self, **config: Any) -> None:
+        self._config = config
+        self.offload = config["offload"]
+        self._clip_coef = 1.0
+        self._step_supports_amp_scaling = True
+        self._engine = Engine(
+            num_threads=config["num_threads"],
+            bias_correction=config["bias_correction"],
+            async_step=config["async_step"],
+            free_gradients=config["free_gradients"],
+            bucket_bytes=config["bucket_bytes"],
+        )
+
+    @property  # type: ignore[override]
+    def state(self) -> _State:
+        return self.__dict__["_state"]  # type: ignore[no-any-return]
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        s = _State()
+        for k, v in dict(value).items():
+            dict.__setitem__(s, k, _Entry(v, owner=s) if type(v) is dict else v)
+        s.dirty = bool(s)
+        self.__dict__["_state"] = s
+
+    def __del__(self) -> None:
+        engine = self.__dict__.get("_engine")
+        if engine is not None:
+            try:
+                engine.close()
+            except Exception:  # interpreter shutdown
+                pass
+
     # -- param groups ---------------------------------------------------------------------------
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """torch's ``add_param_group``, then the group's host buffers and its native ParamSet.
-
-        On any error the optimizer is left as it was.
-        """
+        """torch's ``add_param_group``, then the group's host state. On any error the optimizer
+        is left as it was."""
         if isinstance(param_group, dict):
-            hyper = {k: param_group.get(k, self.defaults[k]) for k in ("lr", "betas", "eps", "weight_decay")}
-            _check_hyper(hyper["lr"], hyper["betas"], hyper["eps"], hyper["weight_decay"])
+            _hyper({**self.defaults, **param_group})
             for k in ("capturable", "differentiable"):
                 if param_group.get(k):
                     raise ValueError(f"{k}=True is not supported by offload_adam")
         super().add_param_group(param_group)
+        gi = len(self.param_groups) - 1
         group = self.param_groups[-1]
         try:
-            self._check_group(group, len(self.param_groups) - 1)
-            self._build_set(group, len(self.param_groups) - 1)
+            self._check_group(group, gi)
+            names = [self._name(group, gi, i) for i in range(len(group["params"]))]
+            self._engine.add_group(gi, group["params"], names, self._config["state_dtype"], bool(group["amsgrad"]))
         except BaseException:
             self.param_groups.pop()
             raise
@@ -252,132 +375,15 @@ class Adam(Optimizer):
                 group["param_names"] = [names[id(p)] for p in unique]
         for i, p in enumerate(group["params"]):
             name = self._name(group, gi, i)
+            if type(p) is not torch.nn.Parameter and type(p) is not Tensor:
+                raise TypeError(
+                    f"{name}: a {type(p).__name__} is not supported; pass plain tensors (for FSDP2 DTensors, "
+                    "their local shards are the supported route)"
+                )
             if p.layout != torch.strided:
                 raise TypeError(f"{name}: layout {p.layout} is not supported, only dense (strided) tensors")
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{name}: dtype {p.dtype} is not supported (float32, bfloat16, float16, complex64)")
-        devices = {p.device for p in group["params"]}
-        if len(devices) > 1:
-            raise ValueError(
-                f"param group {gi} mixes devices {sorted(map(str, devices))}: put CPU and CUDA parameters in separate groups"
-            )
-        dev = next(iter(devices), torch.device("cpu"))
-        if dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
-        if self._streams(group) and self._streamer is not None and self._streamer.device != self._stream_device(group):
-            raise ValueError(
-                f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
-                f"{self._streamer.device}; use one optimizer per GPU"
-            )
-
-    @staticmethod
-    def _streams(group: dict[str, Any]) -> bool:
-        """Whether a group is offloaded with gradient streaming (CUDA parameters, or the
-        ``OFFLOAD_ADAM_FORCE_STREAMING`` testing aid)."""
-        return force_streaming() or any(p.is_cuda for p in group["params"])
-
-    @staticmethod
-    def _stream_device(group: dict[str, Any]) -> torch.device:
-        return next((p.device for p in group["params"]), torch.device("cpu"))
-
-    def _build_set(self, group: dict[str, Any], gi: int) -> None:
-        if self._streams(group):
-            if self._streamer is None:
-                self._streamer = Streamer(
-                    self,
-                    self._stream_device(group),
-                    free_gradients=self._free_gradients,
-                    async_step=self._async_step,
-                    bucket_bytes=self._bucket_bytes,
-                )
-            names = [self._name(group, gi, i) for i in range(len(group["params"]))]
-            self._streamer.add_group(gi, group, names, self._state_dtype)
-            self._sets.append(None)
-            self._buffers.append(None)
-            return
-        params: list[Tensor] = group["params"]
-        offsets, total = [], 0
-        for p in params:
-            offsets.append(total)
-            n = p.numel() * (2 if p.is_complex() else 1)
-            total += -(-n // _ALIGN) * _ALIGN
-        sd = self._state_dtype
-        lowp = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
-        bufs = _Buffers(
-            exp_avg=torch.zeros(total, dtype=sd),
-            exp_avg_sq=torch.zeros(total, dtype=sd),
-            steps=torch.zeros(len(params), dtype=torch.float32),
-            offsets=offsets,
-            master=torch.zeros(total, dtype=torch.float32) if lowp else None,
-            max_exp_avg_sq=torch.zeros(total, dtype=sd) if group["amsgrad"] else None,
-        )
-        exports = [torch.view_as_real(p.detach()) if p.is_complex() else p.detach() for p in params]
-        names = [self._name(group, gi, i) for i in range(len(params))]
-        pset = _native.ParamSet(
-            params, exports, offsets, names, bufs.exp_avg, bufs.exp_avg_sq, bufs.steps, bufs.master, bufs.max_exp_avg_sq
-        )
-        pset.check_disjoint([s for s in self._sets if s is not None])
-        self._sets.append(pset)
-        self._buffers.append(bufs)
-
-    def _all_buffers(self, masters: bool = False) -> list[Tensor]:
-        """Every flat state buffer a load overwrites; with ``masters``, the streamed groups'
-        masters too (a load writes them only where the checkpoint has a master)."""
-        out = [t for bufs in self._buffers if bufs is not None for t in bufs.tensors()]
-        if self._streamer is not None:
-            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "steps") + (("master",) if masters else ())
-            for hg in self._streamer.groups.values():
-                out += [t for t in (hg.buffers[k] for k in keys) if t is not None]
-        return out
-
-    def _ensure_amsgrad_buffers(self) -> None:
-        """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later."""
-        for gi, group in enumerate(self.param_groups):
-            bufs = self._buffers[gi]
-            if bufs is None:
-                if group["amsgrad"] and self._streamer is not None:
-                    buf = self._streamer.ensure_amsgrad(gi)
-                    if buf is not None:
-                        for i, p in enumerate(group["params"]):
-                            if self.state.get(p):
-                                self.state[p]["max_exp_avg_sq"] = self._streamer.state_views(gi, i, p)["max_exp_avg_sq"]
-                continue
-            if group["amsgrad"] and bufs.max_exp_avg_sq is None:
-                # torch starts the maximum at zero for a fresh state; for an existing one the
-                # current exp_avg_sq is the best stand-in for the maximum so far.
-                bufs.max_exp_avg_sq = bufs.exp_avg_sq.clone()
-                pset = self._sets[gi]
-                assert pset is not None
-                pset.set_max_exp_avg_sq(bufs.max_exp_avg_sq)
-                for i, p in enumerate(group["params"]):
-                    if p in self.state and self.state[p]:
-                        self.state[p]["max_exp_avg_sq"] = _view(bufs.max_exp_avg_sq, bufs.offsets[i], p)
-
-    def _init_state(self, gi: int, i: int) -> dict[str, Any]:
-        """The ``state[p]`` entry of parameter ``i`` of group ``gi``: views into the flat buffers."""
-        p = self.param_groups[gi]["params"][i]
-        bufs = self._buffers[gi]
-        if bufs is None:
-            return self._init_streamed_state(gi, i)
-        off = bufs.offsets[i]
-        state: dict[str, Any] = {
-            "step": bufs.steps[i],
-            "exp_avg": _view(bufs.exp_avg, off, p),
-            "exp_avg_sq": _view(bufs.exp_avg_sq, off, p),
-        }
-        if bufs.max_exp_avg_sq is not None:
-            state["max_exp_avg_sq"] = _view(bufs.max_exp_avg_sq, off, p)
-        if bufs.master is not None and p.dtype in (torch.bfloat16, torch.float16):
-            state["master_param"] = _view(bufs.master, off, p)
-        self.state[p] = state
-        return state
-
-    def _init_streamed_state(self, gi: int, i: int) -> dict[str, Any]:
-        assert self._streamer is not None
-        p = self.param_groups[gi]["params"][i]
-        state: dict[str, Any] = self._streamer.state_views(gi, i, p)
-        self.state[p] = state
-        return state
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -397,52 +403,53 @@ class Adam(Optimizer):
         # otherwise 1/scale is folded into the kernel together with the clipping coefficient.
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        scaler_ready = grad_scale is not None
-        if found_inf is not None and float(found_inf) != 0.0:
-            if self._streamer is not None:
-                self._streamer.skip()
-            self._clip_coef = 1.0
-            return loss
-        if self._streamer is not None and self._streamer.free_gradients and scaler_ready:
+        if self._engine.streamed is not None and self._config["free_gradients"] and grad_scale is not None:
             raise NotImplementedError(
                 "GradScaler with free_gradients=True is not supported: GradScaler looks for infs in GPU "
                 "gradients, which free_gradients frees; use free_gradients=False (bf16 needs no scaler)"
             )
-        scale = (1.0 / float(grad_scale)) if grad_scale is not None else 1.0
-        scale *= self._clip_coef
-        self._ensure_amsgrad_buffers()
-        if self._streamer is not None:
-            # Checked before the CPU groups move, so that a refused step changes nothing.
-            self._streamer.synchronize()
-            self._streamer.check_params()
-        direct = [(s, g) for s, g in zip(self._sets, self.param_groups) if s is not None]
-        if direct:
-            first = _native.adam_step(
-                [s for s, _ in direct],
-                [g for _, g in direct],
-                num_threads=self._num_threads,
-                grad_scale=scale,
-                bias_correction=self._bias_correction,
-            )
-            direct_gi = [gi for gi, s in enumerate(self._sets) if s is not None]
-            for gi, idxs in zip(direct_gi, first):
-                for i in idxs:
-                    self._init_state(gi, i)
-        if self._streamer is not None:
-            self._streamer.step(scale, self._bias_correction, self._num_threads, scaler_ready)
+        self.synchronize()
+        hypers = []
+        for gi, g in enumerate(self.param_groups):
+            try:
+                hypers.append(_hyper(g))
+            except ValueError as e:
+                raise ValueError(f"param group {gi}: {e}") from None
+        self._take_over()
+        for gi, state in self._engine.live_groups():
+            if hypers[gi][6] and state.ensure_amsgrad():
+                for i, p in enumerate(state.params):
+                    entry = dict.get(self.state, p)
+                    if entry:
+                        dict.__setitem__(entry, "max_exp_avg_sq", state.views(i)["max_exp_avg_sq"])
+        gs = grad_scale if isinstance(grad_scale, Tensor) or grad_scale is None else torch.tensor(float(grad_scale))
+        first = self._engine.step(hypers, scale=self._clip_coef, grad_scale=gs, found_inf=found_inf)
         self._clip_coef = 1.0
+        for gi, i in first:
+            new = self._engine.groups[gi]
+            assert new is not None
+            self.state.install(new.params[i], new.views(i))
+        if not self._config["async_step"]:
+            self._drop_unstepped()
         return loss
+
+    def _drop_unstepped(self) -> None:
+        for gi, i in self._engine.unstepped():
+            g = self._engine.groups[gi]
+            assert g is not None
+            dict.pop(self.state, g.params[i], None)
 
     def synchronize(self) -> None:
         """Waits until an ``async_step=True`` step has updated every weight (a no-op otherwise),
         and raises an error the step's worker met."""
-        if self._streamer is not None:
-            self._streamer.synchronize()
+        try:
+            self._engine.synchronize()
+        finally:
+            self._drop_unstepped()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's ``zero_grad``; also forgets gradients already streamed to the host."""
-        if self._streamer is not None:
-            self._streamer.discard_grads()
+        self._engine.discard_grads()
         super().zero_grad(set_to_none)
 
     @torch.no_grad()
@@ -458,18 +465,8 @@ class Adam(Optimizer):
         """
         if float(norm_type) != 2.0:
             raise ValueError(f"norm_type: only the 2-norm is supported by the fast path, got {norm_type}")
-        views: list[Tensor] = []
-        for s, g in zip(self._sets, self.param_groups):
-            if s is not None:
-                views += [p.grad for p in g["params"] if p.grad is not None]
-        if self._streamer is not None:
-            self._streamer.synchronize()
-            self._streamer.check_params()
-            self._streamer._collect(False)
-            self._streamer.wait_arrivals()
-            views += self._streamer.grad_views()
-        sq = _native.grad_sq_norm([v.view(torch.float32) if v.is_complex() else v for v in views], num_threads=self._num_threads)
-        total = math.sqrt(sq) * self._clip_coef
+        self._drop_unstepped()
+        total = math.sqrt(self._engine.grad_sq_norm()) * self._clip_coef
         if error_if_nonfinite and not math.isfinite(total):
             raise RuntimeError(f"The total norm of order {norm_type} for gradients is non-finite, so it cannot be clipped.")
         coef = float(max_norm) / (total + 1e-6)
@@ -482,16 +479,7 @@ class Adam(Optimizer):
         (4 B master + the moments + the gradient landing buffer per offloaded parameter, plus the
         moments and masters of CPU groups) and ``gpu_bytes`` (GPU memory the optimizer itself
         keeps between steps)."""
-        held = tight = 0
-        for bufs in self._buffers:
-            for buf in bufs.tensors() if bufs is not None else []:
-                n = buf.untyped_storage().nbytes()
-                held += n
-                tight += n
-        if self._streamer is not None:
-            h, t = self._streamer.memory()
-            held += h
-            tight += t
+        held, tight = self._engine.memory()
         return {"host_bytes": held, "host_tight_bytes": tight, "gpu_bytes": 0}
 
     @property
@@ -499,16 +487,131 @@ class Adam(Optimizer):
         """Host-side timing of the last offloaded step (seconds): ``d2h_wait_s`` (waiting for
         gradients to arrive), ``cpu_step_s`` (the kernel), ``h2d_issue_s`` (queueing the
         weight copies), ``forward_wait_s`` (async mode: time forwards waited for weights)."""
-        return dict(self._streamer.stats) if self._streamer is not None else {}
+        return dict(self._engine.stats)
 
-    # -- checkpoints ----------------------------------------------------------------------------
+    # -- state written by others, and checkpoints -----------------------------------------------
+
+    def _buffer_ranges(self) -> list[tuple[int, int]]:
+        out = []
+        for _, g in self._engine.live_groups():
+            for t in g.buffers():
+                st = t.untyped_storage()
+                out.append((st.data_ptr(), st.data_ptr() + st.nbytes()))
+        return out
+
+    def _slot_of(self) -> dict[int, tuple[int, int]]:
+        return {id(p): (gi, i) for gi, g in self._engine.live_groups() for i, p in enumerate(g.params)}
+
+    def _check_entry(self, gi: int, i: int, v: Any, amsgrad: bool) -> float:
+        """Checks a state entry for parameter ``i`` of group ``gi`` (from a checkpoint, or written
+        into ``state`` by other code); returns its step count."""
+        g = self._engine.groups[gi]
+        assert g is not None
+        p = g.params[i]
+        name = g.names[i]
+        if not isinstance(v, dict):
+            raise TypeError(f"loaded state of {name}: expected a dict, got {type(v).__name__}")
+        for key in ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else []):
+            if key not in v:
+                raise ValueError(f"loaded state of {name}: missing key {key!r}")
+        for key in STATE_KEYS:
+            t = v.get(key)
+            if t is None:
+                continue
+            if not isinstance(t, Tensor):
+                raise TypeError(f"loaded state of {name}: {key} must be a tensor, got {type(t).__name__}")
+            if t.shape != p.shape:
+                raise ValueError(f"loaded state of {name}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            if not (t.is_floating_point() or t.is_complex()) or t.is_complex() != p.is_complex():
+                raise TypeError(f"loaded state of {name}: {key} has dtype {t.dtype}, expected one like {p.dtype}")
+        step = v["step"]
+        step_f = float(step.item() if isinstance(step, Tensor) else step)
+        if not (math.isfinite(step_f) and step_f >= 0 and step_f == int(step_f)):
+            raise ValueError(f"loaded state of {name}: step must be a whole number >= 0, got {step_f}")
+        return step_f
+
+    def _write_entry(self, gi: int, i: int, v: dict[str, Any], step: float) -> None:
+        """Copies a checked entry into the slot's buffers and installs our views (keeping the
+        entry's other keys). The caller quiesced the engine and cloned sources that alias our
+        buffers."""
+        g = self._engine.groups[gi]
+        assert g is not None
+        p = g.params[i]
+        views = g.views(i)
+        views["step"].fill_(step)
+        for key in STATE_KEYS:
+            if key not in views:
+                continue
+            src = v.get(key)
+            if src is not None:
+                views[key].copy_(src)
+            elif key == "master_param":
+                views[key].copy_(p)
+            elif key == "max_exp_avg_sq":
+                views[key].copy_(views["exp_avg_sq"])
+        if g.streamed:
+            self._engine.master_loaded(gi, i, from_checkpoint=v.get("master_param") is not None)
+        extra = {k: x for k, x in v.items() if k not in views and k not in STATE_KEYS}
+        self.state.install(p, {**views, **extra})
+
+    def _reset_slot(self, gi: int, i: int) -> None:
+        """An entry emptied or deleted by other code: a fresh start at the next step, as torch."""
+        g = self._engine.groups[gi]
+        assert g is not None
+        views = g.views(i)
+        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+            if key in views:
+                views[key].zero_()
+        views["step"].zero_()
+        if g.streamed:
+            self._engine.master_loaded(gi, i, from_checkpoint=False)
+
+    def _take_over(self) -> None:
+        """Takes over state written into ``self.state`` by other code since our last look: values
+        and step counts are copied into our buffers and our views reinstalled, never silently
+        ignored while the kernel steps its own buffers."""
+        st = self.state
+        if not st.dirty:
+            return
+        self._engine.quiesce()
+        ours = self._buffer_ranges()
+        plan: list[tuple[int, int, dict[str, Any] | None, float]] = []
+        for gi, g in self._engine.live_groups():
+            amsgrad = bool(self.param_groups[gi]["amsgrad"])
+            for i, p in enumerate(g.params):
+                entry = dict.get(st, p)
+                if not entry:
+                    if float(g.steps[i]) != 0.0:
+                        plan.append((gi, i, None, 0.0))
+                    continue
+                views = g.views(i) if float(g.steps[i]) != 0.0 else {}
+                if isinstance(entry, _Entry) and views and all(entry.get(k) is not None and _same_view(entry[k], t) for k, t in views.items()):
+                    continue
+                step = self._check_entry(gi, i, entry, amsgrad)
+                src = {k: (x.clone() if isinstance(x, Tensor) and _aliases(x, ours) else x) for k, x in entry.items()}
+                plan.append((gi, i, src, step))
+        with torch.no_grad():
+            for gi, i, entry_src, step in plan:
+                if entry_src is None:
+                    self._reset_slot(gi, i)
+                else:
+                    self._write_entry(gi, i, entry_src, step)
+        st.dirty = False
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format. Moment tensors are views of this optimizer's buffers (as torch returns
         its own tensors); ``step`` is a fresh tensor."""
         self.synchronize()
+        self._take_over()
         sd = super().state_dict()
-        sd["state"] = {k: {**v, "step": v["step"].clone()} for k, v in sd["state"].items()}
+        out = {}
+        for k, v in sd["state"].items():
+            if isinstance(v, dict):
+                v = {**v}
+                if isinstance(v.get("step"), Tensor):
+                    v["step"] = v["step"].clone()
+            out[k] = v
+        sd["state"] = out
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -538,84 +641,104 @@ class Adam(Optimizer):
             new = {**self.defaults, **sg, "params": g["params"]}
             if "param_names" in g:
                 new["param_names"] = g["param_names"]
-            if type(self) is AdamW:
+            if isinstance(self, AdamW):  # as AdamW.__setstate__ does in torch, for subclasses too
                 new["decoupled_weight_decay"] = True
             try:
-                _check_hyper(new["lr"], new["betas"], new["eps"], new["weight_decay"])
+                _hyper(new)
             except ValueError as e:
                 raise ValueError(f"loaded param group {gi}: {e}") from None
-            new["betas"] = tuple(new["betas"])  # a list from JSON/YAML or DCP's full state dict
+            if isinstance(new["betas"], list):
+                new["betas"] = tuple(new["betas"])  # a list from JSON/YAML or DCP's full state dict
             merged.append(new)
-        plan: list[tuple[int, int, dict[str, Any]]] = []
+        self._engine.synchronize()
+        self._engine._materialize()
+        plan: list[tuple[int, int, dict[str, Any], float]] = []
+        extras: dict[Any, Any] = {}
         for k, v in state_dict["state"].items():
             if k not in where:
-                raise ValueError(f"loaded state dict has state for parameter {k!r}, which no group lists")
+                if isinstance(k, int):
+                    raise ValueError(f"loaded state dict has state for parameter {k!r}, which no group lists")
+                extras[k] = v  # a non-parameter key (a state_dict pre-hook's): carried, as torch does
+                continue
             gi, i = where[k]
-            p = self.param_groups[gi]["params"][i]
-            name = self._name(self.param_groups[gi], gi, i)
-            if not isinstance(v, dict):
-                raise TypeError(f"loaded state of {name}: expected a dict, got {type(v).__name__}")
-            needed = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if merged[gi]["amsgrad"] else [])
-            for key in needed:
-                if key not in v:
-                    raise ValueError(f"loaded state of {name}: missing key {key!r}")
-            for key in _TENSOR_KEYS:
-                t = v.get(key)
-                if t is None:
-                    continue
-                if not isinstance(t, Tensor):
-                    raise TypeError(f"loaded state of {name}: {key} must be a tensor, got {type(t).__name__}")
-                if t.shape != p.shape:
-                    raise ValueError(f"loaded state of {name}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-                if not (t.is_floating_point() or t.is_complex()) or t.is_complex() != p.is_complex():
-                    raise TypeError(f"loaded state of {name}: {key} has dtype {t.dtype}, expected one like {p.dtype}")
-            step = v["step"]
-            step_f = float(step.item() if isinstance(step, Tensor) else step)
-            if not (math.isfinite(step_f) and step_f >= 0 and step_f == int(step_f)):
-                raise ValueError(f"loaded state of {name}: step must be a whole number >= 0, got {step_f}")
-            plan.append((gi, i, {**v, "step": step_f}))
+            plan.append((gi, i, v, self._check_entry(gi, i, v, bool(merged[gi]["amsgrad"]))))
 
-        # A source may be a view of our own buffers (`load_state_dict(state_dict())`, or
-        # torch.distributed.checkpoint filling the tensors we handed out, then loading them):
-        # zeroing the buffers below would erase it. Such sources are copied first.
-        ours = [_byte_range(t) for t in self._all_buffers(masters=True)]
-        plan = [
-            (gi, i, {k: t.clone() if isinstance(t, Tensor) and _overlaps_any(t, ours) else t for k, t in v.items()})
-            for gi, i, v in plan
-        ]
-
-        # Everything checked: apply.
+        # Everything checked: apply. A source may be a view of our own buffers
+        # (`load_state_dict(state_dict())`, or torch.distributed.checkpoint filling the tensors we
+        # handed out, then loading them): zeroing the buffers would erase it, so such sources are
+        # copied first.
+        self._engine.quiesce()
         for g, new in zip(self.param_groups, merged):
             g.clear()
             g.update(new)
-        self._ensure_amsgrad_buffers()
+        live = self._engine.live_groups()
+        ours = self._buffer_ranges()
+        plan = [
+            (gi, i, {key: x.clone() if isinstance(x, Tensor) and _aliases(x, ours) else x for key, x in v.items()}, step)
+            for gi, i, v, step in plan
+        ]
+        for gi, state in live:
+            if merged[gi]["amsgrad"]:
+                state.ensure_amsgrad()
         with torch.no_grad():
-            self.state.clear()
-            for t in self._all_buffers():
-                t.zero_()
-            for gi, i, v in plan:
-                state = self._init_state(gi, i)
-                p = self.param_groups[gi]["params"][i]
-                state["step"].fill_(v["step"])
-                for key in _TENSOR_KEYS:
-                    if key in state:
-                        src = v.get(key)
-                        if src is not None:
-                            state[key].copy_(src)
-                        elif key == "master_param":
-                            state[key].copy_(p)
-                        elif key == "max_exp_avg_sq":
-                            state[key].copy_(state["exp_avg_sq"])
-                if self._streamer is not None and self._buffers[gi] is None:
-                    # The loaded master is the truth; the model's weights are taken over only if
-                    # they are written after this point.
-                    rec = self._streamer.recs[self._streamer.by_param[id(p)]]
-                    if v.get("master_param") is None:
-                        rec.param_version = -1
-                    else:
-                        rec.param_version = p._version
+            dict.clear(self.state)
+            for gi, state in live:
+                for t in state.state_buffers():
+                    t.zero_()
+                if state.streamed:
+                    for i in range(len(state)):
+                        self._engine.master_loaded(gi, i, from_checkpoint=False)
+            for gi, i, v, step in plan:
+                self._write_entry(gi, i, v, step)
+            for k, v in extras.items():
+                dict.__setitem__(self.state, k, v)
+        self.state.dirty = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    # -- copies ---------------------------------------------------------------------------------
+
+    def __getstate__(self) -> dict[str, Any]:
+        self.synchronize()
+        self._take_over()
+        state = {k: dict(v) if isinstance(v, dict) else v for k, v in self.state.items()}
+        return {"defaults": self.defaults, "state": state, "param_groups": self.param_groups, "_config": self._config}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuilds the host buffers of a copy (``copy.deepcopy``, ``torch.load`` of a pickled
+        optimizer): the copy owns its own and steps identically to the original."""
+        state = dict(state)
+        config = state.pop("_config", None)
+        saved = state.pop("state", {})
+        super().__setstate__(state)
+        self.state = {}
+        if config is None:  # pickled by something else than __getstate__
+            raise TypeError("cannot restore an offload_adam optimizer without its configuration")
+        self._configure(**config)
+        for gi, group in enumerate(self.param_groups):
+            names = [self._name(group, gi, i) for i in range(len(group["params"]))]
+            self._engine.add_group(gi, group["params"], names, config["state_dtype"], bool(group["amsgrad"]))
+        self._engine._materialize()
+        slot = self._slot_of()
+        with torch.no_grad():
+            for k, v in saved.items():
+                if isinstance(k, Tensor) and id(k) in slot and isinstance(v, dict) and v:
+                    gi, i = slot[id(k)]
+                    self._write_entry(gi, i, v, self._check_entry(gi, i, v, bool(self.param_groups[gi]["amsgrad"])))
+                else:
+                    dict.__setitem__(self.state, k, v)
+        self.state.dirty = False
+
+
+def _same_view(a: Any, b: Tensor) -> bool:
+    """Whether ``a`` is the view ``b`` of our buffers (same memory, shape and strides)."""
+    return (
+        isinstance(a, Tensor)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 class AdamW(Adam):
@@ -670,4 +793,3 @@ class AdamW(Adam):
         super().__setstate__(state)
         for group in self.param_groups:
             group["decoupled_weight_decay"] = True
-

@@ -1,0 +1,154 @@
+"""Device backends: what the engine needs of an accelerator, in one small interface.
+
+The engine (``engine.py``) and the gradient streaming (``grads.py``) never call CUDA directly:
+they use a :class:`Device`. :class:`CudaDevice` implements it with CUDA streams, events and
+pinned host memory; ``simdevice.SimulatedDevice`` implements it on the CPU with worker threads
+that run copies late, for tests. The engine cannot tell them apart.
+
+Semantics every backend keeps (those of CUDA streams):
+
+* ``copy`` queues copies on a side stream; a copy reads its source when it runs, not when it is
+  queued. The caller must keep the source unchanged (and, for device tensors it frees, call
+  ``keep_until_done``) until an event recorded after the copy has completed.
+* ``record(stream)`` returns an event that completes when the stream reaches it;
+  ``record_current()`` one on the calling thread's current stream.
+* ``stream_waits(stream, e)``: work queued on ``stream`` afterwards waits for ``e``.
+* ``current_waits(e)``: device work the calling thread queues afterwards waits for ``e``. It is
+  not a host wait: the host goes on at once.
+* ``host_wait(e)``: the host blocks until ``e`` has completed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+
+class Device(Protocol):
+    """The accelerator of an offloaded param group, as the engine sees it."""
+
+    torch_device: torch.device
+    d2h: Any  # side stream of gradient copies to the host
+    h2d: Any  # side stream of weight copies back to the device
+
+    def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
+        """A zeroed host buffer of exactly ``n`` elements that copies to and from the device can
+        use asynchronously (pinned). It stays valid until it is garbage, and is released only
+        after every copy queued so far has completed."""
+        ...
+
+    def staging(self, like: Tensor) -> Tensor:
+        """A host tensor shaped like ``like``, for one asynchronous copy."""
+        ...
+
+    def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        """Queues ``dst.copy_(src)`` for each pair on ``stream``."""
+        ...
+
+    def record(self, stream: Any) -> Any: ...
+
+    def record_current(self) -> Any: ...
+
+    def stream_waits(self, stream: Any, event: Any) -> None: ...
+
+    def current_waits(self, event: Any) -> None: ...
+
+    def host_wait(self, event: Any) -> None: ...
+
+    def keep_until_done(self, t: Tensor, stream: Any) -> None:
+        """``t`` (a device tensor its owner is about to drop) stays allocated until the work
+        queued on ``stream`` so far has completed (``Tensor.record_stream``)."""
+        ...
+
+    def thread_context(self) -> contextlib.AbstractContextManager[None]:
+        """Entered by a worker thread before it queues device work."""
+        ...
+
+    def drain(self) -> None:
+        """Blocks until everything queued on the side streams has completed."""
+        ...
+
+
+def _drain_then_unregister(cudart: Any, ptr: int, streams: tuple[Any, ...]) -> None:
+    # A buffer unregistered while a DMA still reads or writes it: the copy faults or touches
+    # freed pages. Wait for the side streams first (they are the only users of the buffers).
+    try:
+        for s in streams:
+            s.synchronize()
+        cudart.cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the CUDA context may already be gone
+        pass
+
+
+class CudaDevice:
+    """A CUDA GPU: two side streams, blocking events, host memory pinned with cudaHostRegister."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.torch_device = device
+        with torch.cuda.device(device):
+            self.d2h = torch.cuda.Stream(device)
+            self.h2d = torch.cuda.Stream(device)
+        self._cudart = torch.cuda.cudart()
+
+    def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
+        # Pageable memory of exactly the size asked, then pinned: torch's pinned allocator rounds
+        # every block up to a power of two.
+        t = torch.zeros(n, dtype=dtype)
+        nbytes = t.untyped_storage().nbytes()
+        if nbytes:
+            # Under the buffer's device: a registration from a thread whose current device is 0
+            # would create a context on GPU 0 for a model on cuda:N.
+            with torch.cuda.device(self.torch_device):
+                rc = self._cudart.cudaHostRegister(t.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
+            if int(rc) != 0:
+                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
+            weakref.finalize(t, _drain_then_unregister, self._cudart, t.data_ptr(), (self.d2h, self.h2d))
+        return t
+
+    def staging(self, like: Tensor) -> Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+    def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        with torch.cuda.stream(stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        # Blocking: a host wait sleeps instead of spinning a core.
+        e = torch.cuda.Event(blocking=True)
+        e.record(stream)
+        return e
+
+    def record_current(self) -> Any:
+        return self.record(torch.cuda.current_stream(self.torch_device))
+
+    def stream_waits(self, stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.wait_event(event)
+
+    def current_waits(self, event: Any) -> None:
+        if event is not None:
+            torch.cuda.current_stream(self.torch_device).wait_event(event)
+
+    def host_wait(self, event: Any) -> None:
+        if event is not None:
+            event.synchronize()
+
+    def keep_until_done(self, t: Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    @contextlib.contextmanager
+    def thread_context(self) -> Iterator[None]:
+        # A new thread's current device is 0; leaving torch.cuda.stream() there would create a
+        # context on GPU 0 for a model on cuda:N.
+        with torch.cuda.device(self.torch_device):
+            yield
+
+    def drain(self) -> None:
+        self.d2h.synchronize()
+        self.h2d.synchronize()

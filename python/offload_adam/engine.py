@@ -1,0 +1,497 @@
+"""The step engine: one loop over buckets for every param group, whatever its device.
+
+CPU groups go to the kernel in one native call per step (one parallel region over every
+parameter). Offloaded groups are stepped bucket by bucket, in parameter order (the order the
+next forward needs them); for each bucket:
+
+    tier.make_resident ─► wait for its gradients ─► native step ─► queue the copy-back ─► tier.release
+
+synchronously in ``step()``, or (``async_step``) on a worker thread while the next forward
+runs: a forward pre-hook makes each module wait only for the buckets it reads.
+
+Everything device-specific goes through a :class:`~offload_adam.device.Device`; the engine
+holds no reference to the optimizer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from . import _native, testing
+from .device import CudaDevice, Device
+from .grads import Bucket, Rec, StreamedGrads
+from .simdevice import shared_device
+from .state import GroupState, HostTier, Tier
+
+# A param group's hyper-parameters as the kernel takes them:
+# (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).
+Hyper = tuple[float, float, float, float, float, bool, bool, bool]
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+    work: list[tuple[Bucket, list[Rec]]]  # buckets not updated
+    generation: int
+
+
+class _ReadRecorder(TorchFunctionMode):
+    """Attributes each read of an offloaded parameter to the innermost module whose forward is
+    running (one forward, once): a module's pre-hook then waits for what its own code reads,
+    such as a child's weight read before (or without) calling the child."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+        self.stack: list[torch.nn.Module] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if self.stack:
+            by_param = self.engine.streamed.by_param if self.engine.streamed else {}
+            for a in (*args, *kwargs.values()):
+                for t in a if isinstance(a, (list, tuple)) else (a,):
+                    if isinstance(t, Tensor) and id(t) in by_param:
+                        self.engine._reads.setdefault(self.stack[-1], set()).add(by_param[id(t)].bucket)
+        return func(*args, **kwargs)
+
+
+class Engine:
+    """Steps the param groups of one optimizer (see the module documentation)."""
+
+    def __init__(
+        self, *, num_threads: int, bias_correction: bool, async_step: bool, free_gradients: bool, bucket_bytes: int
+    ) -> None:
+        self.num_threads = num_threads
+        self.bias_correction = bias_correction
+        self.async_step = async_step
+        self.free_gradients = free_gradients
+        self.bucket_bytes = bucket_bytes
+        self.hooks = testing.active_hooks()
+        self.tier: Tier = self.hooks.tier() if self.hooks.tier is not None else HostTier()
+        self.groups: list[GroupState | None] = []  # None: parameters still on the meta device
+        self._deferred: dict[int, tuple[list[Tensor], list[str], torch.dtype, bool]] = {}
+        self.device: Device | None = None
+        self.streamed: StreamedGrads | None = None
+        self.worker: threading.Thread | None = None
+        self.in_flight = False
+        self._failure: _Failure | None = None
+        self._tentative: list[tuple[int, int]] = []  # state views installed before their step ran
+        self.stats: dict[str, float] = {}
+        self._cur: dict[str, float] = {}
+        self._backward_done: Any = None
+        # Forward waits (async mode): modules seen running, parameters each one reads.
+        self._called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._reads: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
+        self._recorder: _ReadRecorder | None = None
+        self._recorded = False
+        self._wait_cache: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
+        self._module_hooks: list[Any] = []
+
+    # -- groups ---------------------------------------------------------------------------------
+
+    def _device_for(self, dev: torch.device, gi: int) -> Device | None:
+        if dev.type == "cuda":
+            if self.device is not None and self.device.torch_device != dev:
+                raise ValueError(
+                    f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
+                    f"{self.device.torch_device}; use one optimizer per GPU"
+                )
+            return self.device or CudaDevice(dev)
+        if dev.type != "cpu":
+            raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
+        if not testing.force_streaming():
+            return None
+        sim = testing.active_device() or shared_device()
+        if self.device is not None and self.device is not sim:
+            raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
+        return sim
+
+    def add_group(self, gi: int, params: list[Tensor], names: list[str], state_dtype: torch.dtype, amsgrad: bool) -> None:
+        """Builds group ``gi``'s state; on error nothing changes."""
+        devices = {p.device for p in params}
+        if len(devices) > 1:
+            raise ValueError(
+                f"param group {gi} mixes devices {sorted(map(str, devices))}: put CPU and CUDA parameters in separate groups"
+            )
+        dev = next(iter(devices), torch.device("cpu"))
+        if dev.type == "meta":
+            # Built at the first step, once the parameters have storage (`to_empty()`).
+            self.groups.append(None)
+            self._deferred[gi] = (params, names, state_dtype, amsgrad)
+            return
+        device = self._device_for(dev, gi)
+        group = GroupState(params, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device)
+        if device is None:
+            group.native.check_disjoint([g.native for g in self.groups if g is not None and not g.streamed])
+        self.tier.attach(group)
+        if gi < len(self.groups):
+            self.groups[gi] = group
+        else:
+            self.groups.append(group)
+        if device is not None:
+            if self.streamed is None:
+                self.device = device
+                self.streamed = StreamedGrads(
+                    device, free_gradients=self.free_gradients, bucket_bytes=self.bucket_bytes, num_threads=self.num_threads
+                )
+                self._install_module_hooks()
+            self.streamed.add_group(gi, group)
+
+    def _materialize(self) -> None:
+        for gi, (params, names, state_dtype, amsgrad) in list(self._deferred.items()):
+            if any(p.device.type == "meta" for p in params):
+                raise RuntimeError(
+                    f"param group {gi}: its parameters are still on the meta device; materialize them "
+                    "(module.to_empty(...) with torch.__future__.set_swap_module_params_on_conversion(True)) before the step"
+                )
+            del self._deferred[gi]
+            self.add_group(gi, params, names, state_dtype, amsgrad)
+
+    def live_groups(self) -> list[tuple[int, GroupState]]:
+        return [(gi, g) for gi, g in enumerate(self.groups) if g is not None]
+
+    def close(self) -> None:
+        self.synchronize(raise_error=False)
+        if self.streamed is not None:
+            self.streamed.close()
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks = []
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def step(self, hypers: Sequence[Hyper], *, scale: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> list[tuple[int, int]]:
+        """One step of every group: ``hypers[gi]`` for group ``gi``, gradients multiplied by
+        ``scale`` (the clipping coefficient) and by ``1/grad_scale`` (GradScaler), skipped if
+        ``found_inf`` is non-zero. Returns the (group, slot) pairs whose state is new: in async
+        mode the state views are handed out before the step has run (see :meth:`unstepped`).
+        Everything is checked before anything changes."""
+        self.synchronize()
+        self._materialize()
+        rebound: list[Rec] = []
+        if self.streamed is not None:
+            # Checked before the CPU groups move, so that a refused step changes nothing.
+            rebound = self.streamed.check_params()
+        live = self.live_groups()
+        direct = [(gi, g) for gi, g in live if not g.streamed]
+        first: list[tuple[int, int]] = []
+        if direct or self.streamed is None:
+            # CPU tensors: reading GradScaler's values here costs no device sync.
+            if found_inf is not None and float(found_inf) != 0.0:
+                if self.streamed is not None:
+                    self.streamed.discard()
+                return []
+            if grad_scale is not None:
+                scale /= float(grad_scale)
+            grad_scale = found_inf = None
+        if direct:
+            for gi, g in direct:
+                self.tier.make_resident(g, range(len(g)))
+            try:
+                firsts = _native.adam_step(
+                    [g.native for _, g in direct], [hypers[gi] for gi, _ in direct], [None] * len(direct),
+                    num_threads=self.num_threads, grad_scale=scale, bias_correction=self.bias_correction,
+                )  # fmt: skip
+            finally:
+                for gi, g in direct:
+                    self.tier.release(g, range(len(g)))
+            first += [(gi, i) for (gi, _), idx in zip(direct, firsts) for i in idx]
+        if self.streamed is not None:
+            first += self._step_streamed(hypers, scale, grad_scale, found_inf, rebound)
+        return first
+
+    def _step_streamed(
+        self, hypers: Sequence[Hyper], scale: float, grad_scale: Tensor | None, found_inf: Tensor | None, rebound: list[Rec]
+    ) -> list[tuple[int, int]]:
+        st, dev = self.streamed, self.device
+        assert st is not None and dev is not None
+        st.collect(scaler_ready=grad_scale is not None)
+        work = st.take()
+        first = [(b.gi, r.index) for b, recs in work for r in recs if float(b.group.steps[r.index]) == 0.0]
+        self._tentative = list(first)
+        for b, _ in work:
+            b.done.clear()
+        self._cur = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
+        # Weights may be overwritten once the work queued so far (the backward that read them)
+        # is done; the copy-back waits for this point only, not for a next forward.
+        self._backward_done = dev.record_current()
+        # First step, a re-bound storage, or weights written since our copy-back (a checkpoint
+        # loaded into the model): the master takes the model's value, copied on the side stream
+        # after the backward (not on the legacy default stream of the worker thread).
+        for b, recs in work:
+            stale = [r for r in recs if r.param._version != r.param_version]
+            if stale:
+                dev.stream_waits(dev.d2h, self._backward_done)
+                dev.copy([(r.group.master_view(r.index), r.param.detach()) for r in stale], dev.d2h)
+                b.master_event = dev.record(dev.d2h)
+        # GradScaler's values are device tensors: read them in the step's thread after a copy,
+        # not with a sync here (async mode returns before the backward has finished).
+        scalars = None
+        if grad_scale is not None or found_inf is not None:
+            vals = [t.reshape(1).float() for t in (found_inf, grad_scale) if t is not None]
+            host = dev.staging(torch.empty(len(vals), dtype=torch.float32))
+            dev.stream_waits(dev.d2h, self._backward_done)
+            dev.copy([(host[k : k + 1], v) for k, v in enumerate(vals)], dev.d2h)
+            scalars = (host, dev.record(dev.d2h), found_inf is not None)
+        # Later device work (zero_grad(set_to_none=False), the next batch reusing a freed
+        # gradient's block) waits for every gradient copy queued so far.
+        dev.current_waits(dev.record(dev.d2h))
+        args = (work, list(hypers), scale, scalars, st.generation)
+        if self.async_step:
+            self.in_flight = True
+            self.worker = threading.Thread(target=self._run, args=args, name="offload-adam-step", daemon=True)
+            try:
+                (self.hooks.start_worker or threading.Thread.start)(self.worker)
+            except BaseException:
+                self.worker, self.in_flight = None, False
+                for b, _ in work:
+                    b.done.set()
+                st.give_back(work, st.generation)
+                raise
+        else:
+            self._run(*args)
+            self.synchronize()
+        return first
+
+    def _run(
+        self,
+        work: list[tuple[Bucket, list[Rec]]],
+        hypers: list[Hyper],
+        scale: float,
+        scalars: tuple[Tensor, Any, bool] | None,
+        generation: int,
+    ) -> None:
+        dev = self.device
+        assert dev is not None
+        try:
+            with dev.thread_context(), torch.no_grad():  # grad mode is per thread, and on in a new one
+                if scalars is not None:
+                    host, event, has_inf = scalars
+                    dev.host_wait(event)
+                    vals = host.tolist()
+                    if has_inf and vals[0] != 0.0:
+                        return  # skipped: nothing advances, the host gradients are dropped
+                    if len(vals) > int(has_inf):
+                        scale /= vals[-1]
+                for k, (b, recs) in enumerate(work):
+                    if self.hooks.before_bucket is not None:
+                        self.hooks.before_bucket(k)
+                    self._step_bucket(b, recs, hypers[b.gi], scale)
+        except BaseException as e:  # raised to the caller by the next step()/synchronize()
+            # A bucket's `done` is set once its weights are on their way back.
+            self._failure = _Failure(e, [(b, recs) for b, recs in work if not b.done.is_set()], generation)
+        finally:
+            for b, _ in work:
+                b.done.set()
+            self.in_flight = False
+            self.stats = self._cur  # the figures of the last finished step
+
+    def _step_bucket(self, b: Bucket, recs: list[Rec], hyper: Hyper, scale: float) -> None:
+        dev, st, g = self.device, self.streamed, b.group
+        assert dev is not None and st is not None
+        t0 = time.perf_counter()
+        # The last copy-back read the masters and landing slots this step rewrites.
+        dev.host_wait(b.h2d_event)
+        dev.host_wait(b.d2h_event)
+        st.finish_staged(b)
+        dev.host_wait(b.master_event)
+        b.master_event = None
+        t1 = time.perf_counter()
+        slots = [r.index for r in recs]
+        self.tier.make_resident(g, slots)
+        stepped = False
+        try:
+            with torch.profiler.record_function("offload_adam.cpu_step"):
+                _native.adam_step(
+                    [g.native], [hyper], [slots], num_threads=self.num_threads, grad_scale=scale,
+                    bias_correction=self.bias_correction,
+                )  # fmt: skip
+            stepped = True
+        finally:
+            # The bucket's host state is updated: from here its weights must reach the model even
+            # if an interrupt arrives, so that the bucket is either untouched or fully updated.
+            t2 = time.perf_counter()
+            if stepped:
+                dev.stream_waits(dev.h2d, self._backward_done)
+                with torch.profiler.record_function("offload_adam.h2d"):
+                    dev.copy([(r.param.detach(), g.copy_src(r.index)) for r in recs], dev.h2d)
+                for r in recs:
+                    r.param_version = r.param._version
+                b.h2d_event = dev.record(dev.h2d)
+            self.tier.release(g, slots)
+            t3 = time.perf_counter()
+            self._cur["d2h_wait_s"] += t1 - t0
+            self._cur["cpu_step_s"] += t2 - t1
+            self._cur["h2d_issue_s"] += t3 - t2
+            if stepped:
+                b.done.set()
+
+    def synchronize(self, raise_error: bool = True) -> None:
+        """Waits for an async step to finish and makes the current stream wait for its copies;
+        raises an error the step met (its buckets not updated keep their gradients)."""
+        w = self.worker
+        if w is not None:
+            w.join()
+            self.worker = None
+        if self.device is not None and self.streamed is not None:
+            for b in self.streamed.buckets:
+                self.device.current_waits(b.h2d_event)
+        f, self._failure = self._failure, None
+        if f is not None and self.streamed is not None:
+            self.streamed.give_back(f.work, f.generation)
+        if f is not None and raise_error:
+            if isinstance(f.error, KeyboardInterrupt):
+                raise f.error
+            raise RuntimeError(f"offload_adam: the optimizer step failed: {f.error}") from f.error
+
+    def unstepped(self) -> list[tuple[int, int]]:
+        """After :meth:`synchronize`: slots whose state views were handed out for a step that
+        did not run (skipped by GradScaler, or failed); their state is still empty."""
+        out = [(gi, i) for gi, i in self._tentative if (g := self.groups[gi]) is not None and float(g.steps[i]) == 0.0]
+        self._tentative = []
+        return out
+
+    def quiesce(self) -> None:
+        """Before the host writes a buffer a copy-back reads (a checkpoint load): the step has
+        finished and every copy-back has read its source."""
+        self.synchronize()
+        if self.device is not None and self.streamed is not None:
+            for b in self.streamed.buckets:
+                self.device.host_wait(b.h2d_event)
+
+    def master_loaded(self, gi: int, i: int, *, from_checkpoint: bool) -> None:
+        """A checkpoint load wrote slot ``i`` of offloaded group ``gi``: with a master from the
+        checkpoint, that master is the truth and the model's weights are taken over only if they
+        are written after this point; without, the next step takes the model's weights."""
+        assert self.streamed is not None
+        g = self.groups[gi]
+        assert g is not None
+        r = self.streamed.by_param[id(g.params[i])]
+        r.param_version = r.param._version if from_checkpoint else -1
+
+    def discard_grads(self) -> None:
+        if self.streamed is not None:
+            self.streamed.discard()
+
+    # -- gradients ------------------------------------------------------------------------------
+
+    def grad_sq_norm(self) -> float:
+        """Squared 2-norm of this step's gradients: CPU groups' ``.grad``, offloaded groups' host
+        copies."""
+        views: list[Tensor] = []
+        for _, g in self.live_groups():
+            if not g.streamed:
+                views += [p.grad for p in g.params if p.grad is not None]
+        if self.streamed is not None:
+            self.synchronize()
+            self.streamed.check_params()
+            self.streamed.collect(False)
+            self.streamed.wait_all()
+            views += self.streamed.grad_views()
+        flat = [v.view(torch.float32) if v.is_complex() else v for v in views]
+        return _native.grad_sq_norm(flat, num_threads=self.num_threads)
+
+    # -- forward waits (async mode) -------------------------------------------------------------
+
+    def _install_module_hooks(self) -> None:
+        me = weakref.ref(self)
+
+        def pre(module: torch.nn.Module, args: Any) -> None:
+            e = me()
+            if e is not None:
+                e._forward_pre_hook(module)
+
+        def post(module: torch.nn.Module, args: Any, out: Any) -> None:
+            e = me()
+            if e is not None and e._recorder is not None:
+                e._record_exit(module)
+
+        reg = torch.nn.modules.module
+        self._module_hooks = [reg.register_module_forward_pre_hook(pre)]
+        if self.async_step:
+            # always_call: a forward that raises still ends the recording.
+            self._module_hooks.append(reg.register_module_forward_hook(post, always_call=True))
+
+    def _record_enter(self, module: torch.nn.Module) -> None:
+        if self._recorder is None:
+            if self._recorded or torch.compiler.is_compiling():
+                return
+            self._recorder = _ReadRecorder(self)
+            self._recorder.__enter__()
+        self._recorder.stack.append(module)
+
+    def _record_exit(self, module: torch.nn.Module) -> None:
+        rec = self._recorder
+        assert rec is not None
+        if rec.stack and rec.stack[-1] is module:
+            rec.stack.pop()
+        if not rec.stack:
+            rec.__exit__(None, None, None)
+            self._recorder = None
+            self._recorded = True
+            self._wait_cache = weakref.WeakKeyDictionary()
+
+    def _wait_buckets(self, module: torch.nn.Module) -> list[int]:
+        """Buckets a module's forward reads: its own parameters', those its code was seen to
+        read (a child's weight read without calling the child, or before calling it), and those
+        of submodules never called themselves, which have no pre-hook of their own. Before a
+        first forward was recorded: every bucket under the module."""
+        hit = self._wait_cache.get(module)
+        if hit is not None and hit[0] == len(self._called):
+            return hit[1]
+        st = self.streamed
+        assert st is not None
+        params = [p for p in module._parameters.values() if p is not None]
+        stack = [c for c in module._modules.values() if c is not None]
+        while stack:
+            c = stack.pop()
+            if c in self._called and self._recorded:
+                continue
+            params += [p for p in c._parameters.values() if p is not None]
+            stack += [m for m in c._modules.values() if m is not None]
+        buckets = {st.by_param[id(p)].bucket for p in params if id(p) in st.by_param}
+        buckets |= self._reads.get(module, set())
+        out = sorted(buckets)
+        self._wait_cache[module] = (len(self._called), out)
+        return out
+
+    def _forward_pre_hook(self, module: torch.nn.Module) -> None:
+        if self.async_step and not self._recorded:
+            self._record_enter(module)
+        if module not in self._called:
+            self._called.add(module)
+        if not self.in_flight and self.worker is None:
+            return
+        st, dev = self.streamed, self.device
+        assert st is not None and dev is not None
+        t0 = time.perf_counter()
+        waited = False
+        for k in self._wait_buckets(module):
+            b = st.buckets[k]
+            if not b.done.is_set():
+                waited = True
+                with torch.profiler.record_function("offload_adam.forward_wait"):
+                    b.done.wait()
+            dev.current_waits(b.h2d_event)
+        if waited:
+            self._cur["forward_wait_s"] = self._cur.get("forward_wait_s", 0.0) + time.perf_counter() - t0
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def memory(self) -> tuple[int, int]:
+        held = tight = 0
+        for _, g in self.live_groups():
+            h, t = g.memory()
+            held += h
+            tight += t
+        return held, tight

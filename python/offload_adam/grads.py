@@ -1,0 +1,276 @@
+"""Where a step's gradients come from.
+
+CPU parameters: their own ``.grad``, read by the native step itself (no Python per tensor).
+
+Offloaded parameters: :class:`StreamedGrads` copies gradients to their host landing slots during
+backward. A post-accumulate-grad hook per parameter marks it ready; when a bucket's parameters
+are ready (those that got a gradient last step), the bucket is copied device-to-host on the
+device's side stream, in the gradient's own dtype, and an event marks its arrival. Gradients
+that change after their copy (``clip_grad_norm_`` on the model, a manual edit) are found by
+their version counter and copied again at the step. With ``free_gradients`` each device
+gradient is freed once its copy is queued; later micro-batches then add on the host, in the
+gradient's dtype with torch's rounding.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _native
+from .device import Device
+from .state import GroupState
+
+
+@dataclass
+class Rec:
+    """One offloaded parameter."""
+
+    param: Tensor
+    group: GroupState
+    gi: int  # its param group
+    index: int  # its slot in the group
+    bucket: int
+    dtype: torch.dtype  # its dtype when the group was built
+    shape: torch.Size
+    data_ptr: int  # the address of its storage when last bound
+    hook: Any = None
+    has_grad: bool = False  # the landing slot holds this step's gradient
+    pending: Tensor | None = None  # a device gradient waiting for its bucket's copy
+    accumulate: bool = False  # the pending copy adds to the slot instead of replacing it
+    grad_ref: Any = None  # weak reference to the device gradient last copied (kept gradients)
+    grad_version: int = -1
+    param_version: int = -1  # the parameter's version after our last copy-back
+
+    @property
+    def name(self) -> str:
+        return self.group.names[self.index]
+
+
+@dataclass
+class Bucket:
+    """Consecutive parameters of one group, up to ``bucket_bytes`` of gradient."""
+
+    group: GroupState
+    gi: int
+    recs: list[Rec]
+    ready_count: int = 0
+    # Gradients to wait for before copying: those that arrived last step (a parameter that
+    # never gets one, an unused layer, must not hold its bucket back until step()).
+    expected: int = 0
+    d2h_event: Any = None  # arrival of the bucket's last gradient copy
+    h2d_event: Any = None  # completion of its last copy-back (its landing slots are the source)
+    master_event: Any = None  # completion of a refresh of masters from the model's weights
+    staged: list[tuple[Rec, Tensor]] = field(default_factory=list)  # host adds still to do
+    staged_event: Any = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class StreamedGrads:
+    """The gradient streaming of one optimizer's offloaded groups."""
+
+    def __init__(self, device: Device, *, free_gradients: bool, bucket_bytes: int, num_threads: int) -> None:
+        self.device = device
+        self.free_gradients = free_gradients
+        self.bucket_bytes = bucket_bytes
+        self.num_threads = num_threads
+        self.recs: list[Rec] = []
+        self.by_param: dict[int, Rec] = {}
+        self.buckets: list[Bucket] = []
+        # Bumped by zero_grad: a failed step gives its gradients back only if none came since.
+        self.generation = 0
+        me = weakref.ref(self)
+
+        def hook(p: Tensor) -> None:
+            s = me()
+            if s is not None:
+                s._on_grad(p)
+
+        self._hook: Callable[[Tensor], None] = hook
+
+    def add_group(self, gi: int, group: GroupState) -> None:
+        bucket: list[Rec] = []
+        size = 0
+        for i, p in enumerate(group.params):
+            r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr())
+            r.hook = p.register_post_accumulate_grad_hook(self._hook)
+            self.recs.append(r)
+            self.by_param[id(p)] = r
+            bucket.append(r)
+            size += p.numel() * p.element_size()
+            if size >= self.bucket_bytes:
+                self.buckets.append(Bucket(group, gi, bucket))
+                bucket, size = [], 0
+        if bucket:
+            self.buckets.append(Bucket(group, gi, bucket))
+        for b in self.buckets:
+            b.done.set()
+
+    def close(self) -> None:
+        for r in self.recs:
+            r.hook.remove()
+
+    # -- backward -------------------------------------------------------------------------------
+
+    def _on_grad(self, p: Tensor) -> None:
+        r = self.by_param[id(p)]
+        if p.grad is None or p.grad.dtype != r.dtype or p.grad.shape != r.shape:
+            return  # a moved or re-typed parameter: the step reports it
+        r.pending = p.grad
+        r.accumulate = r.has_grad and self.free_gradients
+        b = self.buckets[r.bucket]
+        b.ready_count += 1
+        if b.ready_count >= (b.expected or len(b.recs)):
+            self.flush(b)
+
+    def flush(self, b: Bucket) -> None:
+        """Queues the copies of a bucket's pending gradients to the host."""
+        pend = [r for r in b.recs if r.pending is not None]
+        b.ready_count = 0
+        if not pend:
+            return
+        dev = self.device
+        # The copies follow the gradients' producers (backward, on the current stream), and the
+        # last copy-back of this bucket, which reads the landing slots they overwrite.
+        dev.stream_waits(dev.d2h, dev.record_current())
+        dev.stream_waits(dev.d2h, b.h2d_event)
+        self.finish_staged(b)
+        pairs: list[tuple[Tensor, Tensor]] = []
+        staged: list[tuple[Rec, Tensor]] = []
+        for r in pend:
+            g = r.pending
+            assert g is not None
+            if r.accumulate:
+                st = dev.staging(g)
+                staged.append((r, st))
+                pairs.append((st, g))
+            else:
+                pairs.append((r.group.grad_slot(r.index), g))
+        with torch.profiler.record_function("offload_adam.d2h"):
+            dev.copy(pairs, dev.d2h)
+        for r in pend:
+            g = r.pending
+            assert g is not None
+            # The device gradient stays allocated until its copy has run, even if it is dropped
+            # now (free_gradients) or by zero_grad() right after the step.
+            dev.keep_until_done(g, dev.d2h)
+            if self.free_gradients:
+                r.param.grad = None
+            else:
+                r.grad_ref = weakref.ref(g)
+                r.grad_version = g._version
+            r.pending = None
+            r.has_grad = True
+            r.accumulate = False
+        b.d2h_event = dev.record(dev.d2h)
+        if staged:
+            b.staged, b.staged_event = staged, b.d2h_event
+
+    def finish_staged(self, b: Bucket) -> None:
+        """Adds gradients staged by an earlier micro-batch into the landing slots, once their
+        copies have arrived (normally long since: they were queued a backward ago)."""
+        if not b.staged:
+            return
+        self.device.host_wait(b.staged_event)
+        for r, st in b.staged:
+            _native.grad_accumulate(r.group.grad_slot(r.index), st, num_threads=self.num_threads)
+        b.staged, b.staged_event = [], None
+
+    # -- before a step --------------------------------------------------------------------------
+
+    def check_params(self) -> list[Rec]:
+        """Raises if a parameter was moved or re-typed after the optimizer was built. Returns
+        those whose storage was replaced with the same shape, dtype and device (``p.data = t``,
+        ``to_empty()`` with swapped parameters): they are re-bound, the old storage untouched."""
+        rebound = []
+        for r in self.recs:
+            p = r.param
+            if p.data_ptr() == r.data_ptr:
+                continue
+            if p.dtype != r.dtype or p.shape != r.shape or p.device != self.device.torch_device:
+                raise RuntimeError(
+                    f"{r.name}: moved or changed after the optimizer was built (now {p.dtype} on {p.device}, "
+                    f"shape {tuple(p.shape)}); build the optimizer after model.to()/.half()/..."
+                )
+            rebound.append(r)
+        for r in rebound:
+            r.data_ptr = r.param.data_ptr()
+            r.param_version = -1  # its master is taken from the new storage
+            r.hook.remove()  # swap_tensors moves hooks with the old contents: register again
+            r.hook = r.param.register_post_accumulate_grad_hook(self._hook)
+        return rebound
+
+    def collect(self, scaler_ready: bool) -> None:
+        """Before a step: copy gradients the hooks did not see, or that changed after their copy
+        (``clip_grad_norm_`` on the model, a manual edit); drop the host copy of a gradient set
+        to None since (torch then skips the parameter); flush partial buckets."""
+        for r in self.recs:
+            g = r.param.grad
+            if g is None:
+                if not self.free_gradients:
+                    r.has_grad, r.pending, r.grad_ref = False, None, None
+                continue
+            if r.pending is not None:
+                continue
+            if self.free_gradients:
+                r.pending, r.accumulate = g, r.has_grad  # a gradient set by hand
+                continue
+            # GradScaler's inf check multiplies every gradient by 1.0 in place just before a step
+            # it drives: that one version bump changes no value.
+            expected = r.grad_version + (1 if scaler_ready else 0)
+            same = r.grad_ref is not None and r.grad_ref() is g
+            if not (r.has_grad and same and g._version in (r.grad_version, expected)):
+                r.pending, r.accumulate = g, False
+        for b in self.buckets:
+            if any(r.pending is not None for r in b.recs):
+                self.flush(b)
+
+    def discard(self) -> None:
+        """``zero_grad``: the host slots no longer hold a gradient."""
+        self.generation += 1
+        for r in self.recs:
+            r.has_grad = False
+            r.pending = None
+            r.grad_ref = None
+        for b in self.buckets:
+            b.ready_count = 0
+            b.staged, b.staged_event = [], None
+
+    def take(self) -> list[tuple[Bucket, list[Rec]]]:
+        """The buckets with gradients, and their parameters that have one; from here the hooks
+        (a next backward, while an async step runs) may mark new ones."""
+        work = []
+        for b in self.buckets:
+            recs = [r for r in b.recs if r.has_grad]
+            if recs:
+                work.append((b, recs))
+        for b, recs in work:
+            b.expected = len(recs)
+            for r in recs:
+                r.has_grad = False
+        return work
+
+    def give_back(self, work: list[tuple[Bucket, list[Rec]]], generation: int) -> None:
+        """A failed step's buckets keep their gradients for the next step, unless ``zero_grad``
+        (or a new gradient) came since."""
+        if generation != self.generation:
+            return
+        for _, recs in work:
+            for r in recs:
+                if r.pending is None:
+                    r.has_grad = True
+
+    def wait_all(self) -> None:
+        for b in self.buckets:
+            self.device.host_wait(b.d2h_event)
+            self.finish_staged(b)
+
+    def grad_views(self) -> list[Tensor]:
+        """Host copies of this step's gradients (after :meth:`wait_all`)."""
+        return [r.group.grad_slot(r.index).view(-1) for r in self.recs if r.has_grad]

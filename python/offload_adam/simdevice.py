@@ -1,0 +1,320 @@
+"""A simulated asynchronous device: CUDA stream semantics on the CPU, for tests.
+
+It implements the :class:`~offload_adam.device.Device` interface, so the engine runs unchanged
+on CPU parameters ("device" tensors) and host buffers, with the hazards of a real GPU kept:
+
+* each side stream is a FIFO worker thread that runs its operations after a random, seeded
+  delay; a copy reads its source when it runs, not when it is queued;
+* an event completes when its stream reaches it; a stream or the host can wait on it;
+* the current stream is the calling thread: its device operations run at once, and a wait of
+  the current stream on an event (``current_waits``) is honoured at the thread's next device
+  operation, not as an immediate host wait. A device operation is any torch operation on a
+  tensor that is not one of this device's host buffers; while :meth:`SimulatedDevice.lazy`
+  is entered, a dispatch mode sees them (without it, ``current_waits`` waits at once);
+* a device tensor freed while a queued copy still reads it (a GPU gradient dropped without
+  ``keep_until_done``) is poisoned: the copy writes NaN, as a reused block would give garbage;
+* a host buffer released while a queued copy still uses it is recorded in ``violations``
+  (on a GPU: a DMA into unregistered, freed pages).
+
+Writes into device tensors go through an alias with its own version counter, and the target's
+version is bumped when the copy is queued, as CUDA's ``copy_`` bumps it at launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import random
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+
+class SimEvent:
+    """Completes when its stream reaches it; an event of the current stream (``deps``) when
+    all the events the current stream waits for have completed."""
+
+    def __init__(self, deps: Sequence[SimEvent] | None = None) -> None:
+        self._done = threading.Event()
+        self._deps = deps
+
+    def _complete(self) -> None:
+        self._done.set()
+
+    def wait(self) -> None:
+        if self._deps is None:
+            self._done.wait()
+        else:
+            for d in self._deps:
+                d.wait()
+
+    def query(self) -> bool:
+        return self._done.is_set() if self._deps is None else all(d.query() for d in self._deps)
+
+
+@dataclass
+class _HostAlloc:
+    storage: Any
+    dead: bool = False
+
+
+@dataclass
+class _Ref:
+    """What a queued copy holds of one tensor."""
+
+    alias: Tensor | None = None  # shares the storage; its own version counter
+    alloc: _HostAlloc | None = None  # set for host buffers
+    weak: Any = None  # weak reference to the storage of a device tensor the copy reads
+    geometry: tuple[Any, ...] = ()  # (dtype, storage offset, shape, stride) of that tensor
+
+
+class _Stream:
+    def __init__(self, dev: SimulatedDevice, name: str, seed: int) -> None:
+        self.dev = dev
+        self.name = name
+        self._rng = random.Random(seed)
+        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"sim-{name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, op: Callable[[], None]) -> None:
+        if self.dev.closed:
+            op()
+        else:
+            self._q.put(op)
+
+    def _loop(self) -> None:
+        _local.stream_thread = True
+        while True:
+            op = self._q.get()
+            if op is None:
+                return
+            if self.dev.max_delay_s > 0:
+                threading.Event().wait(self._rng.uniform(0.0, self.dev.max_delay_s))
+            try:
+                op()
+            except BaseException as e:  # recorded for the test to see
+                self.dev.violations.append(f"{self.name}: {e!r}")
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=30)
+
+    def __repr__(self) -> str:
+        return f"<sim stream {self.name}>"
+
+
+class _Local(threading.local):
+    pending: list[SimEvent]
+    lazy: list[SimulatedDevice]
+    host_section: int
+    stream_thread: bool
+
+    def __init__(self) -> None:
+        self.pending = []
+        self.lazy = []
+        self.host_section = 0
+        self.stream_thread = False
+
+
+_local = _Local()
+
+
+class _HonourWaits(TorchFunctionMode):
+    """Honours the current stream's pending waits before each device operation of this thread.
+
+    A torch-function mode (not a dispatch mode, which changes how some in-place foreach ops
+    count tensor versions): it sees every torch call of the thread's Python code."""
+
+    def __init__(self, dev: SimulatedDevice) -> None:
+        super().__init__()
+        self.dev = dev
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _local.pending and not _local.host_section and not self.dev._host_only((args, kwargs)):
+            self.dev._honour()
+        return func(*args, **kwargs)
+
+
+class SimulatedDevice:
+    """CUDA stream semantics on the CPU (see the module documentation)."""
+
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.002) -> None:
+        self.torch_device = torch.device("cpu")
+        self.max_delay_s = max_delay_s
+        self.closed = False
+        self.violations: list[str] = []
+        self._hosts: dict[int, _HostAlloc] = {}
+        self.d2h = _Stream(self, "d2h", seed * 2 + 1)
+        self.h2d = _Stream(self, "h2d", seed * 2 + 2)
+        # Testing aid of the simulator itself: False models a release that does not wait for
+        # queued copies (what CUDA's cudaHostUnregister does), to show that tests catch it.
+        self.release_waits = True
+
+    # -- the current stream -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def lazy(self) -> Iterator[None]:
+        """Makes ``current_waits`` lazy in this thread: honoured at its next device operation."""
+        _local.lazy.append(self)
+        try:
+            with _HonourWaits(self):
+                yield
+        finally:
+            self._honour()
+            _local.lazy.remove(self)
+
+    def _honour(self) -> None:
+        pending, _local.pending = _local.pending, []
+        for e in pending:
+            e.wait()
+
+    @contextlib.contextmanager
+    def _host_section(self) -> Iterator[None]:
+        _local.host_section += 1
+        try:
+            yield
+        finally:
+            _local.host_section -= 1
+
+    def _alloc_of(self, t: Tensor) -> _HostAlloc | None:
+        try:
+            return self._hosts.get(t.untyped_storage().data_ptr())
+        except Exception:  # a tensor without storage
+            return None
+
+    def _host_only(self, tree: Any) -> bool:
+        tensors = [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
+        return bool(tensors) and all(self._alloc_of(t) is not None for t in tensors)
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
+        with self._host_section():
+            t = torch.zeros(n, dtype=dtype)
+        alloc = _HostAlloc(t.untyped_storage())
+        self._hosts[t.untyped_storage().data_ptr()] = alloc
+        weakref.finalize(t, self._release, alloc, t.untyped_storage().data_ptr())
+        return t
+
+    def _release(self, alloc: _HostAlloc, ptr: int) -> None:
+        if self.release_waits and not _local.stream_thread:
+            self.drain()
+        alloc.dead = True
+        alloc.storage = None
+        if self._hosts.get(ptr) is alloc:
+            del self._hosts[ptr]
+
+    def staging(self, like: Tensor) -> Tensor:
+        return self.host_buffer(like.numel(), like.dtype).view(like.shape)
+
+    # -- streams and events -----------------------------------------------------------------
+
+    def _ref(self, t: Tensor, write: bool) -> _Ref:
+        alloc = self._alloc_of(t)
+        if alloc is None and not write:
+            # Held weakly: the storage's Python object lives exactly as long as the storage.
+            return _Ref(weak=weakref.ref(t.untyped_storage()), geometry=(t.dtype, t.storage_offset(), t.shape, t.stride()))
+        with self._host_section():
+            alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+        if alloc is None:
+            # CUDA's copy_ bumps the version counter when it is launched, not when it runs.
+            torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+        return _Ref(alias=alias, alloc=alloc)
+
+    def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        items = [(self._ref(d, True), self._ref(s, False)) for d, s in pairs]
+
+        def run() -> None:
+            for d, s in items:
+                assert d.alias is not None
+                if d.alloc is not None and d.alloc.dead:
+                    self.violations.append(f"{stream.name}: a copy wrote into a released host buffer")
+                    continue
+                if s.alloc is not None:
+                    if s.alloc.dead:
+                        self.violations.append(f"{stream.name}: a copy read a released host buffer")
+                        d.alias.fill_(float("nan"))
+                        continue
+                    assert s.alias is not None
+                    src = s.alias
+                else:
+                    storage = s.weak()
+                    if storage is None:  # freed while the copy was queued: the block holds garbage
+                        d.alias.fill_(float("nan"))
+                        continue
+                    dtype, offset, shape, stride = s.geometry
+                    src = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+                d.alias.copy_(src)
+
+        stream.submit(run)
+
+    def record(self, stream: Any) -> SimEvent:
+        e = SimEvent()
+        stream.submit(e._complete)
+        return e
+
+    def record_current(self) -> SimEvent:
+        return SimEvent(list(_local.pending))
+
+    def stream_waits(self, stream: Any, event: Any) -> None:
+        if event is not None:
+            stream.submit(event.wait)
+
+    def current_waits(self, event: Any) -> None:
+        if event is None:
+            return
+        if self in _local.lazy and not _local.stream_thread:
+            _local.pending.append(event)
+        else:
+            event.wait()
+
+    def host_wait(self, event: Any) -> None:
+        if event is not None:
+            event.wait()
+
+    def keep_until_done(self, t: Tensor, stream: Any) -> None:
+        held = [t]
+        stream.submit(held.clear)
+
+    def thread_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def drain(self) -> None:
+        for s in (self.d2h, self.h2d):
+            self.record(s).wait()
+
+    def close(self) -> None:
+        """Completes the queued work and stops the stream threads; later work runs inline."""
+        if self.closed:
+            return
+        self.drain()
+        self.closed = True
+        self.d2h.stop()
+        self.h2d.stop()
+
+
+@dataclass
+class _Shared:
+    device: SimulatedDevice | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+_shared = _Shared()
+
+
+def shared_device() -> SimulatedDevice:
+    """The process's simulated device for ``OFFLOAD_ADAM_FORCE_STREAMING=1`` outside tests: no
+    delays, and ``current_waits`` waits at once (no dispatch mode around the user's code)."""
+    with _shared.lock:
+        if _shared.device is None:
+            _shared.device = SimulatedDevice(seed=0, max_delay_s=0.0)
+        return _shared.device

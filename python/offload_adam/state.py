@@ -1,0 +1,211 @@
+"""The host state of one param group, and the tier that holds it between steps.
+
+A :class:`GroupState` owns a group's layout (where each parameter's state sits in the flat
+buffers), the buffers themselves, the native ``StateSet`` over them (imported once through
+DLPack), and the views that ``optimizer.state[p]`` hands out. The same class serves every
+parameter kind: CPU parameters are updated in place from their own ``.grad``; offloaded
+parameters get their gradients in host landing buffers and their weights back by copy.
+
+A tier decides where the state lives between steps: :class:`HostTier` keeps it in host memory.
+The engine brackets every access to a bucket's state with ``make_resident`` and ``release``, so
+a tier that keeps state elsewhere (NVMe) pages it in and out without the engine changing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from . import _native
+from .device import Device
+
+# Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
+KINDS = (torch.float32, torch.bfloat16, torch.float16)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+_ALIGN = _native.LANES  # slots start on a SIMD block boundary
+STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
+    """The slot of ``p`` in ``flat``, shaped (and strided) like ``p``."""
+    if p.is_complex():
+        real = torch.as_strided(flat, (*p.shape, 2), (*(2 * s for s in p.stride()), 1), offset)
+        return torch.view_as_complex(real)
+    return torch.as_strided(flat, p.shape, p.stride(), offset)
+
+
+class GroupState:
+    """One param group's layout, flat host buffers, native state set and state views.
+
+    ``device`` None: CPU parameters, weights written in place, gradients read from ``.grad``.
+    Otherwise the parameters live on ``device``: buffers come from ``device.host_buffer``,
+    gradients land in host landing buffers (one per gradient dtype) and the updated weights are
+    copied back from the masters (float32) or from the landing slot, which the kernel overwrites
+    with the rounded weights once it has read the gradient (bfloat16/float16).
+    """
+
+    def __init__(
+        self,
+        params: list[Tensor],
+        names: list[str],
+        *,
+        state_dtype: torch.dtype,
+        amsgrad: bool,
+        device: Device | None,
+    ) -> None:
+        self.params = list(params)
+        self.names = names
+        self.device = device
+        self.streamed = device is not None
+        if self.streamed:
+            for p, name in zip(params, names):
+                if p.dtype not in KINDS:
+                    raise TypeError(f"{name}: dtype {p.dtype} cannot be offloaded (float32, bfloat16, float16)")
+                if not p.is_contiguous():
+                    raise ValueError(f"{name}: an offloaded parameter must be contiguous")
+        self.lens = [p.numel() * (2 if p.is_complex() else 1) for p in params]
+        self.offsets: list[int] = []
+        total = 0
+        for n in self.lens:
+            self.offsets.append(total)
+            total += _aligned(n)
+        alloc: Callable[[int, torch.dtype], Tensor] = (
+            device.host_buffer if device is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
+        )
+        self.exp_avg = alloc(total, state_dtype)
+        self.exp_avg_sq = alloc(total, state_dtype)
+        self.max_exp_avg_sq = alloc(total, state_dtype) if amsgrad else None
+        lowp = any(p.dtype in LOW_PRECISION for p in params)
+        self.master = alloc(total, torch.float32) if self.streamed or lowp else None
+        self.steps = torch.zeros(len(params), dtype=torch.float32)
+        self.landing: list[Tensor | None] = [None] * len(KINDS)
+        self.landing_slots: list[tuple[int, int]] = []
+        if self.streamed:
+            used = [0] * len(KINDS)
+            for p in params:
+                k = KINDS.index(p.dtype)
+                self.landing_slots.append((k, used[k]))
+                used[k] += _aligned(p.numel())
+            self.landing = [alloc(used[k], KINDS[k]) if any(p.dtype == KINDS[k] for p in params) else None for k in range(3)]
+            self.native = _native.StateSet(
+                self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
+                self.max_exp_avg_sq, landing=self.landing, landing_slots=self.landing_slots,
+            )  # fmt: skip
+        else:
+            self.native = _native.StateSet(
+                self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
+                self.max_exp_avg_sq, params=self.params,
+            )  # fmt: skip
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    # -- what state[p] hands out --------------------------------------------------------------
+
+    def has_master(self, i: int) -> bool:
+        """Whether parameter ``i``'s fp32 master lives in the master buffer (offloaded, or a
+        bfloat16/float16 CPU parameter); a float32 CPU parameter is its own master."""
+        return self.master is not None and (self.streamed or self.params[i].dtype in LOW_PRECISION)
+
+    def views(self, i: int) -> dict[str, Tensor]:
+        """The ``state[p]`` entry of parameter ``i``: views into the flat buffers."""
+        p, off = self.params[i], self.offsets[i]
+        out = {"step": self.steps[i], "exp_avg": _view(self.exp_avg, off, p), "exp_avg_sq": _view(self.exp_avg_sq, off, p)}
+        if self.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = _view(self.max_exp_avg_sq, off, p)
+        if self.has_master(i):
+            assert self.master is not None
+            out["master_param"] = _view(self.master, off, p)
+        return out
+
+    def ensure_amsgrad(self) -> bool:
+        """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later:
+        torch starts the maximum at zero for a fresh state; for an existing one the current
+        ``exp_avg_sq`` is the best stand-in for the maximum so far. True if it was created."""
+        if self.max_exp_avg_sq is not None:
+            return False
+        buf = self.device.host_buffer(self.exp_avg_sq.numel(), self.exp_avg_sq.dtype) if self.device else torch.empty_like(self.exp_avg_sq)
+        buf.copy_(self.exp_avg_sq)
+        self.native.set_max_exp_avg_sq(buf)
+        self.max_exp_avg_sq = buf
+        return True
+
+    # -- offloaded parameters -----------------------------------------------------------------
+
+    def grad_slot(self, i: int) -> Tensor:
+        """The host landing slot of parameter ``i``'s gradient, shaped like the parameter."""
+        k, off = self.landing_slots[i]
+        buf = self.landing[k]
+        assert buf is not None
+        p = self.params[i]
+        return buf[off : off + p.numel()].view(p.shape)
+
+    def master_view(self, i: int) -> Tensor:
+        assert self.master is not None
+        p = self.params[i]
+        return self.master[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+
+    def copy_src(self, i: int) -> Tensor:
+        """Where parameter ``i``'s updated weights are copied back from."""
+        return self.master_view(i) if self.params[i].dtype == torch.float32 else self.grad_slot(i)
+
+    # -- buffers ------------------------------------------------------------------------------
+
+    def state_buffers(self) -> list[Tensor]:
+        """The buffers a checkpoint load rewrites: moments, step counts, and the masters of CPU
+        groups (an offloaded group's masters are taken from the checkpoint or the model)."""
+        bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.steps]
+        if not self.streamed:
+            bufs.append(self.master)
+        return [t for t in bufs if t is not None]
+
+    def buffers(self) -> list[Tensor]:
+        """Every host buffer of the group."""
+        bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.steps, *self.landing]
+        return [t for t in bufs if t is not None]
+
+    def memory(self) -> tuple[int, int]:
+        """(host bytes held, tight bytes: for an offloaded parameter 4 B master + the moments +
+        its gradient's landing slot; for a CPU group everything it holds)."""
+        held = sum(t.untyped_storage().nbytes() for t in self.buffers())
+        if not self.streamed:
+            return held, held
+        moments = 2 + (self.max_exp_avg_sq is not None)
+        es = self.exp_avg.element_size()
+        tight = sum(p.numel() * (4 + moments * es + p.element_size()) for p in self.params)
+        return held, tight
+
+
+class Tier(Protocol):
+    """Where a group's state lives between steps (see the module documentation)."""
+
+    stable_views: bool  # whether the views of state[p] stay valid between steps
+
+    def attach(self, group: GroupState) -> None: ...
+
+    def make_resident(self, group: GroupState, slots: Sequence[int]) -> None: ...
+
+    def release(self, group: GroupState, slots: Sequence[int]) -> None: ...
+
+
+class HostTier:
+    """State in host memory: always resident, nothing to page."""
+
+    stable_views = True
+
+    def attach(self, group: GroupState) -> None:
+        pass
+
+    def make_resident(self, group: GroupState, slots: Sequence[int]) -> None:
+        pass
+
+    def release(self, group: GroupState, slots: Sequence[int]) -> None:
+        pass
+

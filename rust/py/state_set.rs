@@ -1,0 +1,680 @@
+//! `StateSet`: the host state of one param group, whatever device its parameters live on, and
+//! the step over any number of sets.
+//!
+//! Every set has the same flat state buffers (moments, the amsgrad maximum, fp32 masters where
+//! needed, step counts) and slot layout. Two choices tell the groups apart:
+//! - where a step's gradients come from: the parameters' own `.grad` (CPU parameters), or host
+//!   landing buffers that the Python layer fills (gradients streamed from a GPU);
+//! - where updated weights go: in place into the parameters' memory (CPU parameters), or into
+//!   the masters (and, for bf16/fp16 parameters, the landing slot the gradient came in), which
+//!   the Python layer copies back to the device.
+
+use std::sync::{Mutex, MutexGuard};
+
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::intern;
+use pyo3::prelude::*;
+
+use super::convert::{err, hyper, pool, simd_or_default, HyperTuple};
+use super::dlpack::{carve_sets, torch, CheckedGrad, DType, GradCache, GradSpec, Import, Writable};
+use crate::kernel::{self, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
+use crate::layout::{carve, check_disjoint, Layout, Slot, KINDS};
+
+// Where each buffer sits in a set's `Writable`.
+const EXP_AVG: usize = 0;
+const EXP_AVG_SQ: usize = 1;
+const MAX_EXP_AVG_SQ: usize = 2;
+const MASTER: usize = 3;
+const STEPS: usize = 4;
+/// The landing buffers of float32, bfloat16 and float16 gradients.
+const LANDING: usize = 5;
+/// One per parameter, when weights are written in place.
+const PARAMS: usize = LANDING + KINDS;
+
+const KIND_DTYPES: [DType; KINDS] = [DType::F32, DType::Bf16, DType::F16];
+
+/// A parameter whose weights the kernel writes in place.
+struct Param {
+    param: Py<PyAny>,
+    numel: usize,
+    complex: bool,
+    /// The dtype of its memory (float32 for complex64 parameters, seen as real pairs).
+    dtype: DType,
+    shape: Vec<i64>,
+    /// Its strides when it is not row-major contiguous, to check a gradient against.
+    strides: Option<Vec<i64>>,
+    /// Address of the storage this set imported.
+    data_ptr: usize,
+}
+
+struct Inner {
+    layout: Layout,
+    names: Vec<String>,
+    bufs: Writable,
+    /// Weights written in place (one per slot), or (None) into the masters.
+    params: Option<Vec<Param>>,
+    /// Gradients read from the parameters' `.grad`, or (None) from the landing buffers.
+    grads: Option<GradCache>,
+    state_dtype: DType,
+}
+
+/// The host state of one param group (see the module documentation).
+#[pyclass(module = "offload_adam._native", frozen)]
+pub struct StateSet {
+    /// Held while a step runs on the set: two steps at once on one set would race.
+    inner: Mutex<Inner>,
+    len: usize,
+    in_place: bool,
+    from_landing: bool,
+}
+
+/// Exports a parameter's own memory (its real view for a complex parameter).
+fn export<'py>(p: &Bound<'py, PyAny>, complex: bool) -> PyResult<Bound<'py, PyAny>> {
+    let py = p.py();
+    let d = p.call_method0(intern!(py, "detach"))?;
+    if complex {
+        torch(py)?.view_as_real.bind(py).call1((d,))
+    } else {
+        Ok(d)
+    }
+}
+
+/// Imports parameter `p` for in-place updates, checked to be its own memory.
+fn import_param(p: &Bound<'_, PyAny>, name: &str) -> PyResult<(Param, Import)> {
+    let py = p.py();
+    let t = torch(py)?;
+    let complex = p.getattr(intern!(py, "dtype"))?.is(&t.complex64);
+    let numel: usize = p.call_method0(intern!(py, "numel"))?.extract()?;
+    let imp = Import::new(&export(p, complex)?, name)?;
+    let expected = if complex { 2 * numel } else { numel };
+    if imp.len != expected {
+        return Err(PyValueError::new_err(format!(
+            "{name}: export has {} elements, expected {expected}",
+            imp.len
+        )));
+    }
+    let data_ptr: usize = p.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    if numel > 0 && data_ptr != imp.addr() {
+        return Err(PyValueError::new_err(format!(
+            "{name}: the export is not the parameter's own memory"
+        )));
+    }
+    let strides = if imp.contiguous {
+        None
+    } else {
+        Some(p.call_method0(intern!(py, "stride"))?.extract()?)
+    };
+    let shape: Vec<i64> = p.getattr(intern!(py, "shape"))?.extract()?;
+    let param = Param {
+        param: p.clone().unbind(),
+        numel,
+        complex,
+        dtype: imp.dtype,
+        shape,
+        strides,
+        data_ptr,
+    };
+    Ok((param, imp))
+}
+
+impl Inner {
+    fn state_len(&self) -> usize {
+        self.bufs.get(EXP_AVG).map_or(0, |b| b.len)
+    }
+
+    /// Re-binds parameter `i` if its storage was replaced since it was imported (`p.data = t`,
+    /// `module.to_empty()` with swapped parameters): the new storage is imported, the old one is
+    /// let go without a write. A new shape or dtype is an error, raised before anything changes.
+    fn rebind_if_replaced(&mut self, py: Python<'_>, i: usize) -> PyResult<()> {
+        let Some(params) = &self.params else { return Ok(()) };
+        let e = &params[i];
+        let p = e.param.bind(py);
+        let ptr: usize = p.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        if ptr == e.data_ptr || e.numel == 0 {
+            return Ok(());
+        }
+        let p = p.clone();
+        let name = self.names[i].clone();
+        let t = torch(py)?;
+        let dtype = p.getattr(intern!(py, "dtype"))?;
+        let shape: Vec<i64> = p.getattr(intern!(py, "shape"))?.extract()?;
+        let device = p.getattr(intern!(py, "device"))?;
+        let same_dtype = match e.dtype {
+            DType::F32 if e.complex => dtype.is(&t.complex64),
+            DType::F32 => dtype.is(&t.float32),
+            DType::Bf16 => dtype.is(&t.bfloat16),
+            DType::F16 => dtype.is(&t.float16),
+        };
+        if !same_dtype || shape != e.shape || !p.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+            return Err(PyRuntimeError::new_err(format!(
+                "{name}: the parameter's storage was replaced after the optimizer was built, and it is now \
+                 {dtype} of shape {shape:?} on {device}, not {} of shape {:?} on the CPU; the optimizer's state \
+                 fits the old one. Build the optimizer after model.to()/.double()/p.data = ...",
+                if e.complex { "complex64" } else { e.dtype.name() },
+                e.shape
+            )));
+        }
+        let (param, imp) = import_param(&p, &name)?;
+        self.bufs.replace(PARAMS + i, imp, name)?;
+        if let Some(c) = &mut self.grads {
+            c.forget(i);
+        }
+        self.params.as_mut().expect("in place")[i] = param;
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl StateSet {
+    /// Builds the set. Slot `i` has `lens[i]` elements at `state_offsets[i]` of the flat state
+    /// buffers (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `master`) and element `i` of `steps`.
+    ///
+    /// With `params`, weights are written in place into the parameters' own memory (a
+    /// bfloat16/float16 parameter keeps its fp32 master in `master`); without, into `master`.
+    /// With `landing` (three optional buffers: float32, bfloat16, float16 gradients) and
+    /// `landing_slots` (per slot: which buffer, first element), gradients come from there;
+    /// without, from the parameters' `.grad`. A bfloat16/float16 slot written into `master`
+    /// gets its low-precision copy in its landing slot, over the gradient it came in.
+    #[new]
+    #[pyo3(signature = (lens, state_offsets, names, exp_avg, exp_avg_sq, steps, master=None, max_exp_avg_sq=None,
+        *, params=None, landing=None, landing_slots=None))]
+    fn new(
+        lens: Vec<usize>,
+        state_offsets: Vec<usize>,
+        names: Vec<String>,
+        exp_avg: &Bound<'_, PyAny>,
+        exp_avg_sq: &Bound<'_, PyAny>,
+        steps: &Bound<'_, PyAny>,
+        master: Option<&Bound<'_, PyAny>>,
+        max_exp_avg_sq: Option<&Bound<'_, PyAny>>,
+        params: Option<Vec<Bound<'_, PyAny>>>,
+        landing: Option<Vec<Option<Bound<'_, PyAny>>>>,
+        landing_slots: Option<Vec<(usize, usize)>>,
+    ) -> PyResult<StateSet> {
+        let n = lens.len();
+        if state_offsets.len() != n || names.len() != n {
+            return Err(PyValueError::new_err(
+                "lens, state_offsets and names need one entry per parameter",
+            ));
+        }
+        let exp_avg = Import::new(exp_avg, "exp_avg buffer")?;
+        let exp_avg_sq = Import::new(exp_avg_sq, "exp_avg_sq buffer")?;
+        let state_dtype = exp_avg.dtype;
+        if state_dtype == DType::F16 {
+            return Err(PyTypeError::new_err(
+                "exp_avg buffer: state dtype must be float32 or bfloat16",
+            ));
+        }
+        exp_avg_sq.require(state_dtype, "exp_avg_sq buffer")?;
+        let state_len = exp_avg.len;
+        if exp_avg_sq.len != state_len {
+            return Err(PyValueError::new_err("exp_avg and exp_avg_sq buffers differ in length"));
+        }
+        let steps = Import::new(steps, "steps buffer")?;
+        steps.require(DType::F32, "steps buffer")?;
+        if steps.len != n {
+            return Err(PyValueError::new_err(format!(
+                "steps buffer: needs {n} elements, has {}",
+                steps.len
+            )));
+        }
+        let master = master.map(|m| Import::new(m, "master buffer")).transpose()?;
+        if let Some(m) = &master {
+            m.require(DType::F32, "master buffer")?;
+            if m.len != state_len {
+                return Err(PyValueError::new_err("master buffer: length differs from exp_avg"));
+            }
+        }
+        // Gradients from landing buffers.
+        let mut landing_bufs: Vec<Option<Import>> = (0..KINDS).map(|_| None).collect();
+        let mut slot_landing: Vec<Option<(usize, usize)>> = vec![None; n];
+        let landing_given = landing.is_some();
+        match (landing, landing_slots) {
+            (None, None) => {}
+            (Some(bufs), Some(where_)) => {
+                // A set reads all its gradients from one source.
+                if bufs.len() != KINDS || where_.len() != n {
+                    return Err(PyValueError::new_err(
+                        "landing: three buffers (float32, bfloat16, float16) and one slot per parameter",
+                    ));
+                }
+                for (k, b) in bufs.iter().enumerate() {
+                    if let Some(b) = b {
+                        let what = format!("{} landing buffer", KIND_DTYPES[k].name());
+                        let imp = Import::new(b, &what)?;
+                        imp.require(KIND_DTYPES[k], &what)?;
+                        landing_bufs[k] = Some(imp);
+                    }
+                }
+                slot_landing = where_.into_iter().map(Some).collect();
+            }
+            _ => return Err(PyValueError::new_err("landing and landing_slots go together")),
+        }
+        let from_landing = slot_landing.iter().all(Option::is_some) && landing_given;
+        let slots: Vec<Slot> = (0..n)
+            .map(|i| Slot {
+                state: state_offsets[i],
+                len: lens[i],
+                landing: slot_landing[i],
+            })
+            .collect();
+        let landing_lens = [0, 1, 2].map(|k| landing_bufs[k].as_ref().map(|b| b.len));
+        let layout = Layout::new(slots, state_len, landing_lens).map_err(err)?;
+        // Weights in place.
+        let mut param_imports = Vec::new();
+        let params = match params {
+            None => {
+                if master.is_none() {
+                    return Err(PyValueError::new_err(
+                        "master buffer: needed when weights are not written in place",
+                    ));
+                }
+                if !from_landing && n > 0 {
+                    return Err(PyValueError::new_err(
+                        "gradients: from the parameters' .grad needs params; otherwise give landing buffers",
+                    ));
+                }
+                None
+            }
+            Some(ps) => {
+                if ps.len() != n {
+                    return Err(PyValueError::new_err("params: one per slot"));
+                }
+                let mut out = Vec::with_capacity(n);
+                for (i, p) in ps.iter().enumerate() {
+                    let (param, imp) = import_param(p, &names[i])?;
+                    if imp.len != lens[i] {
+                        return Err(PyValueError::new_err(format!(
+                            "{}: has {} elements, its slot {}",
+                            names[i], imp.len, lens[i]
+                        )));
+                    }
+                    if param.dtype != DType::F32 && master.is_none() {
+                        return Err(PyValueError::new_err(format!(
+                            "{}: a {} parameter needs a float32 master slot",
+                            names[i],
+                            param.dtype.name()
+                        )));
+                    }
+                    out.push(param);
+                    param_imports.push((Some(imp), names[i].clone()));
+                }
+                Some(out)
+            }
+        };
+        let mut entries: Vec<(Option<Import>, String)> = vec![
+            (Some(exp_avg), "exp_avg buffer".into()),
+            (Some(exp_avg_sq), "exp_avg_sq buffer".into()),
+            (None, "max_exp_avg_sq buffer".into()),
+            (master, "master buffer".into()),
+            (Some(steps), "steps buffer".into()),
+        ];
+        for (k, b) in landing_bufs.into_iter().enumerate() {
+            entries.push((b, format!("{} landing buffer", KIND_DTYPES[k].name())));
+        }
+        entries.extend(param_imports);
+        let bufs = Writable::new(entries)?;
+        let in_place = params.is_some();
+        let inner = Inner {
+            layout,
+            names,
+            bufs,
+            grads: (!from_landing).then(|| GradCache::new(n)),
+            params,
+            state_dtype,
+        };
+        let set = StateSet {
+            inner: Mutex::new(inner),
+            len: n,
+            in_place,
+            from_landing,
+        };
+        if let Some(x) = max_exp_avg_sq {
+            set.set_max_exp_avg_sq(x)?;
+        }
+        Ok(set)
+    }
+
+    /// Gives the set its amsgrad buffer (same length and dtype as exp_avg).
+    fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut inner = self.lock()?;
+        let x = Import::new(buf, "max_exp_avg_sq buffer")?;
+        x.require(inner.state_dtype, "max_exp_avg_sq buffer")?;
+        if x.len != inner.state_len() {
+            return Err(PyValueError::new_err(
+                "max_exp_avg_sq buffer: length differs from exp_avg",
+            ));
+        }
+        inner.bufs.replace(MAX_EXP_AVG_SQ, x, "max_exp_avg_sq buffer".into())
+    }
+
+    #[getter]
+    fn has_max_exp_avg_sq(&self) -> PyResult<bool> {
+        Ok(self.lock()?.bufs.get(MAX_EXP_AVG_SQ).is_some())
+    }
+
+    /// Whether updated weights are written into the parameters' memory.
+    #[getter]
+    fn in_place(&self) -> bool {
+        self.in_place
+    }
+
+    /// Whether gradients come from the landing buffers.
+    #[getter]
+    fn grads_landed(&self) -> bool {
+        self.from_landing
+    }
+
+    fn __len__(&self) -> usize {
+        self.len
+    }
+
+    /// Raises if a parameter of this set shares memory with one of `others`.
+    fn check_disjoint(&self, others: Vec<PyRef<'_, StateSet>>) -> PyResult<()> {
+        let mut named = Vec::new();
+        for s in std::iter::once(self).chain(others.iter().map(|o| &**o)) {
+            let inner = s.lock()?;
+            for i in 0..s.len {
+                if let Some(b) = inner.bufs.get(PARAMS + i) {
+                    named.push((b.range().0, b.range().1, inner.bufs.name(PARAMS + i).to_string()));
+                }
+            }
+        }
+        check_disjoint(named).map(|_| ()).map_err(err)
+    }
+}
+
+impl StateSet {
+    fn lock(&self) -> PyResult<MutexGuard<'_, Inner>> {
+        self.inner
+            .try_lock()
+            .map_err(|_| PyRuntimeError::new_err("another step is running on this param group"))
+    }
+}
+
+/// Carves a state buffer into the slices `ranges` (start, len), in its dtype.
+fn carve_state<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)], what: &str) -> PyResult<Vec<StateMut<'a>>> {
+    Ok(match b {
+        Some(HostMut::F32(s)) => carve(s, ranges).map_err(err)?.into_iter().map(StateMut::F32).collect(),
+        Some(HostMut::Bf16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(StateMut::Bf16).collect(),
+        Some(HostMut::F16(_)) | None => return Err(PyRuntimeError::new_err(format!("{what}: missing"))),
+    })
+}
+
+fn carve_f32<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)], what: &str) -> PyResult<Vec<&'a mut [f32]>> {
+    match b {
+        Some(HostMut::F32(s)) => carve(s, ranges).map_err(err),
+        _ => Err(PyRuntimeError::new_err(format!("{what}: missing"))),
+    }
+}
+
+fn carve_any<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)]) -> PyResult<Vec<HostMut<'a>>> {
+    Ok(match b {
+        Some(HostMut::F32(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::F32).collect(),
+        Some(HostMut::Bf16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::Bf16).collect(),
+        Some(HostMut::F16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::F16).collect(),
+        None => return Err(PyRuntimeError::new_err("landing buffer: missing")),
+    })
+}
+
+fn as_grad(h: HostMut<'_>) -> GradRef<'_> {
+    match h {
+        HostMut::F32(s) => GradRef::F32(s),
+        HostMut::Bf16(s) => GradRef::Bf16(s),
+        HostMut::F16(s) => GradRef::F16(s),
+    }
+}
+
+fn as_out(h: HostMut<'_>) -> OutMut<'_> {
+    match h {
+        HostMut::F32(_) => OutMut::None,
+        HostMut::Bf16(s) => OutMut::Bf16(s),
+        HostMut::F16(s) => OutMut::F16(s),
+    }
+}
+
+/// One optimizer step over `sets`, each with the hyper-parameters `hypers[i]` and the slots
+/// `selections[i]` (None: every slot whose parameter has a `.grad`; required for sets whose
+/// gradients come from landing buffers). Everything is checked before anything is written: on
+/// error, weights and state are as they were. Returns, per set, the slots stepped for the first
+/// time.
+#[pyfunction]
+#[pyo3(signature = (sets, hypers, selections, *, num_threads, grad_scale=1.0, bias_correction=true, simd=None))]
+pub fn adam_step(
+    py: Python<'_>,
+    sets: Vec<PyRef<'_, StateSet>>,
+    hypers: Vec<HyperTuple>,
+    selections: Vec<Option<Vec<usize>>>,
+    num_threads: usize,
+    grad_scale: f64,
+    bias_correction: bool,
+    simd: Option<&str>,
+) -> PyResult<Vec<Vec<usize>>> {
+    if sets.len() != hypers.len() || sets.len() != selections.len() {
+        return Err(PyValueError::new_err("sets, hypers and selections: one entry per set"));
+    }
+    let simd = simd_or_default(simd)?;
+    let pool = pool(num_threads)?;
+    let mut guards = sets.iter().map(|s| s.lock()).collect::<PyResult<Vec<_>>>()?;
+
+    // 1. Check everything, touch nothing: hyper-parameters, selections, replaced storages, and
+    //    which slots have a gradient.
+    let mut hs = Vec::with_capacity(sets.len());
+    let mut picked: Vec<Vec<usize>> = Vec::with_capacity(sets.len());
+    let mut tensors: Vec<Bound<'_, PyAny>> = Vec::new();
+    let mut owners: Vec<(usize, usize)> = Vec::new();
+    for (si, (inner, (h, sel))) in guards.iter_mut().zip(hypers.into_iter().zip(selections)).enumerate() {
+        let h = hyper(h, si, grad_scale, bias_correction)?;
+        if h.amsgrad && inner.bufs.get(MAX_EXP_AVG_SQ).is_none() {
+            return Err(PyRuntimeError::new_err(format!(
+                "param group {si}: amsgrad needs a max_exp_avg_sq buffer"
+            )));
+        }
+        hs.push(h);
+        let idx = match sel {
+            Some(v) => {
+                inner.layout.check_selection(&v).map_err(err)?;
+                v
+            }
+            None if inner.grads.is_some() => (0..inner.layout.len()).collect(),
+            None => {
+                return Err(PyValueError::new_err(
+                    "selections: required for gradients from landing buffers",
+                ))
+            }
+        };
+        let mut keep = Vec::with_capacity(idx.len());
+        for i in idx {
+            inner.rebind_if_replaced(py, i)?;
+            if inner.grads.is_some() {
+                let params = inner.params.as_ref().expect("gradients from .grad need params");
+                let g = params[i].param.bind(py).getattr(intern!(py, "grad"))?;
+                if g.is_none() {
+                    continue;
+                }
+                tensors.push(g);
+                owners.push((si, i));
+            }
+            keep.push(i);
+        }
+        picked.push(keep);
+    }
+    let mut checked: Vec<Vec<Option<CheckedGrad<'_, '_>>>> =
+        picked.iter().map(|p| p.iter().map(|_| None).collect()).collect();
+    {
+        let mut pos: Vec<usize> = vec![0; sets.len()];
+        for (g, &(si, i)) in tensors.iter().zip(&owners) {
+            let inner: &mut Inner = &mut guards[si];
+            while picked[si][pos[si]] != i {
+                pos[si] += 1;
+            }
+            let Inner {
+                params, names, grads, ..
+            } = inner;
+            let p = &params.as_ref().expect("in place")[i];
+            let spec = GradSpec {
+                name: &names[i],
+                numel: p.numel,
+                complex: p.complex,
+                strides: p.strides.as_deref(),
+            };
+            let c = grads.as_mut().expect("from .grad").check(i, g, &spec)?;
+            checked[si][pos[si]] = Some(c);
+        }
+    }
+
+    // 2. The kernel's view of the buffers: every slice carved from the imported buffers.
+    let mut meta = Vec::with_capacity(sets.len());
+    let mut writables = Vec::with_capacity(sets.len());
+    for g in guards.iter_mut() {
+        let Inner {
+            layout,
+            names,
+            bufs,
+            params,
+            ..
+        } = &mut **g;
+        meta.push((
+            &*layout,
+            &*names,
+            params.as_ref().map(|ps| ps.iter().map(|p| p.dtype).collect::<Vec<_>>()),
+        ));
+        writables.push(bufs);
+    }
+    let (mut carved, written) = carve_sets(writables)?;
+    let mut segments = Vec::new();
+    let mut steps_of: Vec<&mut [f32]> = Vec::with_capacity(sets.len());
+    let mut new_steps: Vec<Vec<f32>> = Vec::with_capacity(sets.len());
+    for (si, bufs) in carved.iter_mut().enumerate() {
+        let (layout, names, param_dtypes) = &meta[si];
+        let sel = &picked[si];
+        let h = &hs[si];
+        let slots = layout.slots();
+        for (j, c) in checked[si].iter().enumerate() {
+            if let Some(c) = c {
+                let (lo, hi) = c.range();
+                if crate::layout::overlaps(&written, lo, hi) {
+                    return Err(PyValueError::new_err(format!(
+                        "{}: gradient shares memory with a parameter or the optimizer's state",
+                        names[sel[j]]
+                    )));
+                }
+            }
+        }
+        let ranges: Vec<(usize, usize)> = sel.iter().map(|&i| (slots[i].state, slots[i].len)).collect();
+        let mut m = carve_state(bufs[EXP_AVG].take(), &ranges, "exp_avg")?.into_iter();
+        let mut v = carve_state(bufs[EXP_AVG_SQ].take(), &ranges, "exp_avg_sq")?.into_iter();
+        let mut x = if h.amsgrad {
+            Some(carve_state(bufs[MAX_EXP_AVG_SQ].take(), &ranges, "max_exp_avg_sq")?.into_iter())
+        } else {
+            None
+        };
+        let uses_master = |i: usize| param_dtypes.as_ref().is_none_or(|d| d[i] != DType::F32);
+        let master_pos: Vec<usize> = (0..sel.len()).filter(|&j| uses_master(sel[j])).collect();
+        let master_ranges: Vec<(usize, usize)> = master_pos.iter().map(|&j| ranges[j]).collect();
+        let mut masters: Vec<Option<&mut [f32]>> = (0..sel.len()).map(|_| None).collect();
+        if !master_pos.is_empty() {
+            for (j, s) in master_pos
+                .iter()
+                .zip(carve_f32(bufs[MASTER].take(), &master_ranges, "master buffer")?)
+            {
+                masters[*j] = Some(s);
+            }
+        }
+        let mut landed: Vec<Option<HostMut<'_>>> = (0..sel.len()).map(|_| None).collect();
+        for k in 0..KINDS {
+            let pos: Vec<usize> = (0..sel.len())
+                .filter(|&j| matches!(slots[sel[j]].landing, Some((kind, _)) if kind == k))
+                .collect();
+            if pos.is_empty() {
+                continue;
+            }
+            let r: Vec<(usize, usize)> = pos
+                .iter()
+                .map(|&j| (slots[sel[j]].landing.expect("filtered").1, slots[sel[j]].len))
+                .collect();
+            for (j, piece) in pos.iter().zip(carve_any(bufs[LANDING + k].take(), &r)?) {
+                landed[*j] = Some(piece);
+            }
+        }
+        let steps = match bufs[STEPS].take() {
+            Some(HostMut::F32(s)) => s,
+            _ => return Err(PyRuntimeError::new_err("steps buffer: missing")),
+        };
+        let mut last: Option<(u64, Consts)> = None;
+        let mut next_steps = Vec::with_capacity(sel.len());
+        for (j, &i) in sel.iter().enumerate() {
+            let next = steps[i] as u64 + 1;
+            next_steps.push(next as f32);
+            let consts = match last {
+                Some((n, c)) if n == next => c,
+                _ => {
+                    let c = Consts::new(h, next);
+                    last = Some((next, c));
+                    c
+                }
+            };
+            let master = masters[j].take();
+            let landing = landed[j].take();
+            let missing = |what: &str| PyRuntimeError::new_err(format!("{}: no {what}", names[i]));
+            let (param, out, grad) = match param_dtypes {
+                Some(_) => {
+                    let own = bufs[PARAMS + i].take().ok_or_else(|| missing("parameter memory"))?;
+                    let (param, out) = match (own, master) {
+                        // In place, float32: the parameter's memory is the master.
+                        (HostMut::F32(p), _) => (p, OutMut::None),
+                        // In place, low precision: the master, and the rounded copy into the
+                        // parameter in the same pass.
+                        (o, Some(m)) => (m, as_out(o)),
+                        (_, None) => return Err(missing("master slot")),
+                    };
+                    let grad = match (checked[si][j].take(), landing) {
+                        (Some(c), _) => c.view(),
+                        (None, Some(l)) => as_grad(l),
+                        (None, None) => return Err(missing("gradient")),
+                    };
+                    (param, out, grad)
+                }
+                // Into the masters; a low-precision slot's copy goes over the gradient it came in.
+                None => match (master, landing) {
+                    (Some(m), Some(l @ (HostMut::Bf16(_) | HostMut::F16(_)))) => (m, as_out(l), GradRef::InOut),
+                    (Some(m), Some(l)) => (m, OutMut::None, as_grad(l)),
+                    (None, _) => return Err(missing("master slot")),
+                    (_, None) => return Err(missing("gradient")),
+                },
+            };
+            segments.push(Segment {
+                consts,
+                amsgrad: h.amsgrad,
+                param,
+                grad,
+                exp_avg: m.next().expect("one per slot"),
+                exp_avg_sq: v.next().expect("one per slot"),
+                max_exp_avg_sq: x.as_mut().map(|x| x.next().expect("one per slot")),
+                out,
+            });
+        }
+        new_steps.push(next_steps);
+        steps_of.push(steps);
+    }
+
+    // 3. Run with the GIL released; only a validation error can come back, before any write.
+    let pool_ref = pool.as_deref();
+    py.detach(move || kernel::adam_step(simd, pool_ref, segments))
+        .map_err(err)?;
+
+    let mut first = Vec::with_capacity(sets.len());
+    for ((steps, sel), next) in steps_of.into_iter().zip(&picked).zip(new_steps) {
+        let mut f = Vec::new();
+        for (&i, s) in sel.iter().zip(next) {
+            steps[i] = s;
+            if s == 1.0 {
+                f.push(i);
+            }
+        }
+        first.push(f);
+    }
+    drop(checked);
+    drop(tensors);
+    Ok(first)
+}

@@ -213,6 +213,19 @@ def test_amsgrad_checkpoint_needs_its_maximum() -> None:
 
 
 @pytest.mark.cuda
-def test_cuda_parameters_are_refused_until_offload_lands() -> None:
-    with pytest.raises(ValueError, match="is on cuda"):
-        AdamW([torch.nn.Parameter(torch.randn(3, device="cuda"))])
+def test_cuda_parameters_are_offloaded_and_bad_ones_refused() -> None:
+    p = torch.nn.Parameter(torch.randn(3, device="cuda"))
+    opt = AdamW([p])
+    assert opt.memory_report()["host_bytes"] > 0 and opt.memory_report()["gpu_bytes"] == 0
+    with pytest.raises(ValueError, match="must be contiguous"):
+        AdamW([torch.nn.Parameter(torch.randn(4, 3, device="cuda").t())])
+    with pytest.raises(TypeError, match="cannot be offloaded"):
+        AdamW([torch.nn.Parameter(torch.randn(3, device="cuda", dtype=torch.complex64))])
+    p.grad = torch.ones(3, device="cuda")
+    opt.step()
+    p.data = p.data.double()
+    p.grad = torch.ones(3, device="cuda", dtype=torch.float64)
+    w = p.detach().clone()
+    with pytest.raises(RuntimeError, match="moved or changed"):
+        opt.step()
+    assert torch.equal(p.detach(), w)

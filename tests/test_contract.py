@@ -74,3 +74,170 @@ def test_betas_loaded_as_a_list_train_on(streamed: bool) -> None:
     run_twins(ours, ref, ps, qs, 5)
     assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
     assert_state_close(ours, ref, ps, qs)
+
+
+def test_state_written_by_other_code_is_taken_over(streamed: bool) -> None:
+    """`opt.state[p] = {...}` (as ZeroRedundancyOptimizer.load_state_dict does) or an entry
+    replaced by a new tensor is copied into our buffers at the next step, never ignored."""
+    ps = make_params()
+    qs = clone_params(ps)
+    ours = AdamW(ps, lr=1e-3, amsgrad=True)
+    ref = torch.optim.AdamW(qs, lr=1e-3, amsgrad=True, foreach=False)
+    run_twins(ours, ref, ps, qs, 5)
+    # Another optimizer's state, written entry by entry and tensor by tensor.
+    donor = torch.optim.AdamW(clone_params(qs), lr=1e-3, amsgrad=True, foreach=False)
+    run_twins(donor, torch.optim.AdamW(clone_params(qs), lr=1e-3, amsgrad=True), donor.param_groups[0]["params"], clone_params(qs), 3)
+    for p, q, d in zip(ps, qs, donor.param_groups[0]["params"]):
+        if d in donor.state:
+            ref.state[q] = copy.deepcopy(donor.state[d])
+            ours.state[p] = copy.deepcopy(donor.state[d])
+    ref.state[qs[2]]["exp_avg"] = ref.state[qs[2]]["exp_avg"] * 2
+    ours.state[ps[2]]["exp_avg"] = ours.state[ps[2]]["exp_avg"] * 2
+    del ref.state[qs[3]]  # a fresh start for this one
+    del ours.state[ps[3]]
+    run_twins(ours, ref, ps, qs, 5)
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
+    assert_state_close(ours, ref, ps, qs)
+    assert float(ours.state[ps[3]]["step"]) == 5
+
+
+def test_copies_of_an_optimizer_step_on_their_own(streamed: bool, tmp_path: Any) -> None:
+    """`copy.deepcopy(opt)` (with a deep copy of its model, as torch's tests do) and
+    `torch.save(opt)`/`torch.load(..., weights_only=False)` give optimizers that own their own
+    host buffers and step identically to the original."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    opt = AdamW(model.parameters(), lr=1e-2, amsgrad=True)
+    x = torch.randn(9, 5)
+
+    def train(m: torch.nn.Module, o: torch.optim.Optimizer, n: int) -> None:
+        for _ in range(n):
+            o.zero_grad()
+            m(x).pow(2).mean().backward()
+            o.step()
+
+    train(model, opt, 3)
+    model2, opt2 = copy.deepcopy((model, opt))
+    torch.save((model, opt), tmp_path / "opt.pt")
+    model3, opt3 = torch.load(tmp_path / "opt.pt", weights_only=False)
+    for m, o in ((model, opt), (model2, opt2), (model3, opt3)):
+        train(m, o, 4)
+    for m in (model2, model3):
+        for p, q in zip(model.parameters(), m.parameters()):
+            assert torch.equal(p, q)
+    for o in (opt2, opt3):
+        a, b = opt.state_dict()["state"][0], o.state_dict()["state"][0]
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and float(a["step"]) == float(b["step"]) == 7
+        assert a["exp_avg"].data_ptr() != b["exp_avg"].data_ptr()
+
+
+def test_state_dict_whatever_state_holds(streamed: bool) -> None:
+    """Reading `opt.state[p]` before p's first step (a defaultdict) leaves an empty entry; a
+    state_dict pre-hook may store extra entries or non-dict values: carried as torch does."""
+    outs = []
+    for cls in (AdamW, torch.optim.AdamW):
+        ps = make_params()
+        opt = cls(ps, lr=1e-3)
+        _ = opt.state[ps[0]]  # before any step
+        opt.register_state_dict_pre_hook(lambda o: o.state.__setitem__("extra", 1))
+        for p in ps[1:]:
+            p.grad = torch.randn(p.shape)
+        opt.step()
+        sd = opt.state_dict()
+        outs.append(sd)
+        assert sd["state"][0] == {} and sd["state"]["extra"] == 1
+        opt.load_state_dict(copy.deepcopy(sd))
+        assert opt.state["extra"] == 1
+    assert set(outs[0]["state"]) == set(outs[1]["state"])
+
+
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        ({"lr": torch.tensor(1e-3), "foreach": True}, "lr as a Tensor is not supported for capturable=False and foreach=True"),
+        ({"betas": (torch.tensor(0.9), torch.tensor(0.99)), "foreach": True}, r"betas\[0\] as a Tensor is not supported"),
+        ({"betas": (0.9, torch.tensor(0.99))}, "betas must be either both floats or both Tensors"),
+        ({"fused": True, "foreach": True}, "`fused` and `foreach` cannot be `True` together"),
+    ],
+)
+def test_validation_as_torch(kw: dict[str, Any], msg: str) -> None:
+    for cls in (torch.optim.AdamW, AdamW):
+        with pytest.raises((ValueError, RuntimeError), match=msg):
+            cls(make_params(), **kw)
+
+
+def test_tensor_betas_train_like_torch(streamed: bool) -> None:
+    ps = make_params()
+    qs = clone_params(ps)
+    betas = (torch.tensor(0.8), torch.tensor([0.99]))
+    ours = AdamW(ps, lr=torch.tensor(1e-3), betas=betas)
+    ref = torch.optim.AdamW(qs, lr=torch.tensor(1e-3), betas=betas, foreach=False)
+    assert ours.param_groups[0]["betas"][1].dim() == 0  # torch's _to_scalar
+    run_twins(ours, ref, ps, qs, 10)
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
+
+
+def test_a_subclass_of_adamw_keeps_decoupled_weight_decay_when_loading_adam_state() -> None:
+    class MyAdamW(AdamW):
+        pass
+
+    ps = make_params()
+    adam = torch.optim.Adam(clone_params(ps), lr=1e-3, weight_decay=0.1)
+    sd = adam.state_dict()
+    assert sd["param_groups"][0]["decoupled_weight_decay"] is False
+    for cls in (MyAdamW, torch.optim.AdamW):
+        o = cls(clone_params(ps), lr=1e-3, weight_decay=0.1)
+        o.load_state_dict(copy.deepcopy(sd))
+        assert o.param_groups[0]["decoupled_weight_decay"] is True, cls
+
+
+def test_a_replaced_storage_of_the_same_shape_is_rebound(streamed: bool) -> None:
+    """`p.data = t` (same shape and dtype): the optimizer trains the new storage, keeps the
+    state, and never writes the old one; a new shape is a clear error before anything changes."""
+    ps = make_params()
+    qs = clone_params(ps)
+    ours = AdamW(ps, lr=1e-3)
+    ref = torch.optim.AdamW(qs, lr=1e-3, foreach=False)
+    run_twins(ours, ref, ps, qs, 3)
+    old = ps[0].detach()
+    kept = old.clone()
+    new = torch.randn(ps[0].shape)
+    ps[0].data = new.clone()
+    qs[0].data = new.clone()
+    run_twins(ours, ref, ps, qs, 3)
+    assert torch.equal(old, kept)
+    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= 2e-5
+    assert_state_close(ours, ref, ps, qs)
+    ps[1].data = torch.randn(3)  # a new shape
+    before = [p.detach().clone() for p in ps]
+    for p in ps:
+        p.grad = torch.randn(p.shape)
+    with pytest.raises(RuntimeError, match=r"changed|replaced"):
+        ours.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(ps, before))
+
+
+def test_a_model_built_on_the_meta_device_then_materialized(streamed: bool) -> None:
+    """The optimizer built over meta-device parameters, then `to_empty()` with swapped
+    parameters (the Parameter objects survive), as torch's own optimizer then trains on."""
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        outs = []
+        for cls in (AdamW, torch.optim.AdamW):
+            with torch.device("meta"):
+                m = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Linear(6, 2))
+            opt = cls(m.parameters(), lr=1e-2)
+            m.to_empty(device="cpu")
+            torch.manual_seed(0)
+            for mod in m:
+                mod.reset_parameters()
+            x = torch.randn(5, 4)
+            for _ in range(5):
+                opt.zero_grad()
+                m(x).pow(2).mean().backward()
+                opt.step()
+            outs.append([p.detach().clone() for p in m.parameters()])
+        for a, b in zip(*outs):
+            assert max_diff(a, b) <= 2e-5
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)

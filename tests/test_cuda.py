@@ -29,22 +29,26 @@ class Net(torch.nn.Module):
         return self.head(h)
 
 
-def run(dtype: torch.dtype, **kw: Any) -> None:
+def run(dtype: torch.dtype, set_to_none: bool = True, **kw: Any) -> None:
+    """Training against torch fused on the GPU, with the most common loop: zero_grad right after
+    step (which races the gradient copies of an async step unless the step orders them), the
+    next batch allocated after it (reusing freed gradient blocks), no synchronize per step."""
     torch.manual_seed(0)
     a = Net().cuda().to(dtype)
     b = copy.deepcopy(a).float()
     ours = AdamW(a.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.25, **kw)
     ref = torch.optim.AdamW(b.parameters(), lr=1e-3, weight_decay=0.1, fused=True)
     for _ in range(20):
-        x = torch.randint(0, 97, (8, 32), device="cuda")
         for m, o in ((a, ours), (b, ref)):
-            o.zero_grad()
+            x = torch.randint(0, 97, (8, 32), device="cuda")
             loss = torch.nn.functional.cross_entropy(m(x).float().flatten(0, 1), x.flatten())
             loss.backward()
             o.step()
+            o.zero_grad(set_to_none=set_to_none)
         if dtype != torch.float32:
             # torch in fp32 from our (rounded) weights and gradients is another trajectory:
             # compare the masters with torch only for fp32 models
+            ours.synchronize()
             b.load_state_dict({k: v.float() for k, v in a.state_dict().items()})
     ours.synchronize()
     torch.cuda.synchronize()
@@ -58,22 +62,28 @@ def run(dtype: torch.dtype, **kw: Any) -> None:
         assert torch.equal(p.detach().cpu(), st["master_param"].to(dtype))
 
 
-@pytest.mark.parametrize("mode", [{}, {"async_step": True}, {"free_gradients": True}])
+@pytest.mark.parametrize(
+    "mode",
+    [{}, {"async_step": True}, {"async_step": True, "set_to_none": False}, {"free_gradients": True}, {"free_gradients": True, "async_step": True}],
+)
 def test_cuda_training_matches_torch(mode: dict[str, Any]) -> None:
     run(torch.float32, **mode)
 
 
-def test_cuda_bf16_model_fp32_masters() -> None:
-    run(torch.bfloat16)
+@pytest.mark.parametrize("mode", [{}, {"async_step": True}])
+def test_cuda_bf16_model_fp32_masters(mode: dict[str, Any]) -> None:
+    run(torch.bfloat16, **mode)
 
 
 def test_cuda_memory_holds_no_optimizer_state() -> None:
     torch.manual_seed(0)
     m = Net(d=1024, layers=8).cuda()
+    x = torch.randint(0, 97, (4, 64), device="cuda")
+    m(x).float().sum().backward()  # warm-up: cuBLAS workspaces come from the caching allocator
+    m.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     opt = AdamW(m.parameters(), free_gradients=True, bucket_mb=4)
-    x = torch.randint(0, 97, (4, 64), device="cuda")
-    torch.cuda.reset_peak_memory_stats()
     m(x).float().sum().backward()
     opt.step()
     torch.cuda.synchronize()
@@ -81,3 +91,49 @@ def test_cuda_memory_holds_no_optimizer_state() -> None:
     assert opt.memory_report()["gpu_bytes"] == 0
     rep = opt.memory_report()
     assert rep["host_bytes"] <= 1.05 * rep["host_tight_bytes"]
+
+
+def test_cuda_async_step_never_lets_a_forward_read_a_stale_weight() -> None:
+    from offload_adam import testing
+
+    torch.manual_seed(0)
+    with testing.engine_hooks(before_bucket=lambda k: __import__("time").sleep(0.005)):
+        a = Net().cuda()
+        ours = AdamW(a.parameters(), lr=1e-2, async_step=True, bucket_mb=0.05)
+    for _ in range(5):
+        x = torch.randint(0, 97, (8, 32), device="cuda")
+        a(x).float().sum().backward()
+        ours.step()
+        ours.zero_grad(set_to_none=False)
+        out = a(x)
+        ours.synchronize()
+        assert torch.equal(out, a(x))
+    assert ours.last_step_stats["forward_wait_s"] > 0
+
+
+def test_cuda_checkpoint_rollback_right_after_a_step_keeps_that_steps_weights() -> None:
+    torch.manual_seed(0)
+    a = Net().cuda()
+    ours = AdamW(a.parameters(), lr=1e-2, bucket_mb=0.05)
+    x = torch.randint(0, 97, (8, 32), device="cuda")
+    a(x).float().sum().backward()
+    ours.step()
+    sd = copy.deepcopy(ours.state_dict())
+    ours.zero_grad()
+    a(x).float().sum().backward()
+    ours.step()
+    masters = [ours.state[p]["master_param"].clone() for p in a.parameters()]
+    ours.load_state_dict(sd)  # rewrites the masters the copy-backs just read
+    torch.cuda.synchronize()
+    for p, w in zip(a.parameters(), masters):
+        assert torch.equal(p.detach().cpu(), w)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_a_model_on_a_second_gpu_creates_no_context_on_the_first() -> None:
+    m = Net().to("cuda:1")
+    opt = AdamW(m.parameters(), async_step=True)
+    m(torch.randint(0, 97, (2, 8), device="cuda:1")).float().sum().backward()
+    opt.step()
+    opt.synchronize()
+    assert torch.cuda.memory_reserved(0) == 0

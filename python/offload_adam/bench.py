@@ -5,6 +5,12 @@ in turn (the order rotates from round to round), and the figure reported is the 
 rounds of the per-round ratio ``time(peer) / time(ours)``, so a noisy neighbour slows both sides
 of a ratio alike. Throughput is also printed as Mparam/s and as effective GB/s at 28 bytes per
 fp32 parameter (4 streams read, 3 written).
+
+Two cases compare our own paths in the same run: ``many`` also times one flat tensor of the same
+size (the rate of many small tensors against the memory-bound rate of one big one), and
+``offload`` times the offloaded path (on a simulated device without delays: gradients landed
+beforehand, as a backward would have streamed them) against the direct one, reporting the
+kernel's share of the offloaded step (``last_step_stats['cpu_step_s']``) as a rate.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _native
+from . import _native, testing
 from .optimizer import AdamW
 
 BYTES_PER_PARAM = 28
@@ -42,6 +48,9 @@ class Contender:
     name: str
     step: Callable[[], None]
     times: list[float] = field(default_factory=list)
+    prepare: Callable[[], None] | None = None  # untimed, before each timed step
+    kernel_s: Callable[[], float] | None = None  # the kernel's part of the last step, if known
+    kernel_times: list[float] = field(default_factory=list)
 
 
 def _params(shapes: Shapes, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.Parameter]:
@@ -62,6 +71,28 @@ def _torch_opt(shapes: Shapes, **kw: object) -> Callable[[], None]:
 def _ours(shapes: Shapes, dtype: torch.dtype, threads: int) -> Callable[[], None]:
     opt = AdamW(_params(shapes, dtype), lr=1e-4, num_threads=threads)
     return opt.step  # type: ignore[return-value]
+
+
+def _ours_offloaded(shapes: Shapes, threads: int) -> Contender:
+    """The offloaded path on CPU parameters, through a simulated device with no delays. Before
+    each timed step a backward (untimed) streams the gradients to the host landing buffers, and
+    ``clip_grad_norm_(inf)`` waits for their arrival, as a GPU's backward would have them."""
+    with testing.simulated_device(max_delay_s=0.0, lazy=False):
+        ps = _params(shapes, torch.float32)
+        opt = AdamW(ps, lr=1e-4, num_threads=threads)
+    grads: list[torch.Tensor] = [p.grad for p in ps if p.grad is not None]
+    for p in ps:
+        p.grad = None
+
+    def prepare() -> None:
+        opt.zero_grad()
+        torch.autograd.backward([p.view(-1)[:1] for p in ps], [g.view(-1)[:1] for g in grads])
+        opt.clip_grad_norm_(float("inf"))
+
+    return Contender(
+        "offload_adam offloaded (simulated device)", opt.step, prepare=prepare,  # type: ignore[arg-type]
+        kernel_s=lambda: opt.last_step_stats["cpu_step_s"],
+    )  # fmt: skip
 
 
 def _torch_bf16_sequence(shapes: Shapes) -> Callable[[], None]:
@@ -86,14 +117,20 @@ def _torch_bf16_sequence(shapes: Shapes) -> Callable[[], None]:
 
 def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int, baseline: str) -> dict[str, object]:
     for c in contenders:  # warm-up: lazy state, page faults, thread start
-        c.step()
-        c.step()
+        for _ in range(2):
+            if c.prepare is not None:
+                c.prepare()
+            c.step()
     for r in range(rounds):
         k = r % len(contenders)
         for c in contenders[k:] + contenders[:k]:
+            if c.prepare is not None:
+                c.prepare()
             t0 = time.perf_counter()
             c.step()
             c.times.append(time.perf_counter() - t0)
+            if c.kernel_s is not None:
+                c.kernel_times.append(c.kernel_s())
     ours = next(c for c in contenders if c.name.startswith("offload_adam"))
     rows = []
     print(f"\n== {title}: {nparams / 1e6:.1f}M params, {rounds} rounds")
@@ -109,6 +146,16 @@ def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int,
             f" {'' if c is ours else f'{ratio:13.2f}x':>14}"
         )
         result[c.name] = {"median_s": med, "ratio_peer_over_ours": ratio}
+    for c in contenders:
+        if c.kernel_times:
+            ratio = statistics.median([a / b for a, b in zip(ours.times, c.kernel_times)])
+            med = statistics.median(c.kernel_times)
+            print(
+                f"   {c.name}: kernel part {med * 1e3:.2f} ms ({nparams / med / 1e6:.0f} Mparam/s), "
+                f"{ratio:.2f}x the rate of {ours.name}'s whole step (median of per-round ratios)"
+            )
+            result[c.name]["kernel_median_s"] = med  # type: ignore[index]
+            result[c.name]["kernel_rate_over_ours"] = ratio  # type: ignore[index]
     base = next(c for c in contenders if c.name == baseline)
     speedup = statistics.median([a / b for a, b in zip(base.times, ours.times)])
     print(f"   => offload_adam is {speedup:.2f}x {baseline} (median of per-round ratios)")
@@ -119,7 +166,9 @@ def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload_adam bench", description=__doc__.splitlines()[0])
-    ap.add_argument("--cases", default="big,gpt2,many,bf16,threads", help="comma-separated: big,gpt2,many,bf16,threads")
+    ap.add_argument(
+        "--cases", default="big,gpt2,many,bf16,threads,offload", help="comma-separated: big,gpt2,many,bf16,threads,offload"
+    )
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every case (e.g. 0.1 for a quick look)")
@@ -155,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
                 run_case("bf16 params+grads, GPT-2 small shapes", cs, n(gpt2), args.rounds, "torch copy+fused fp32+copy")
             )
             continue
+        elif case == "offload":
+            cs = [
+                Contender("offload_adam direct", _ours(gpt2, torch.float32, args.threads)),
+                _ours_offloaded(gpt2, args.threads),
+            ]
+            results.append(
+                run_case("offloaded vs direct path, GPT-2 small shapes fp32", cs, n(gpt2), args.rounds, "offload_adam direct")
+            )
+            continue
         elif case == "threads":
             cs = [
                 Contender(f"offload_adam ({args.threads} threads)", _ours(gpt2, torch.float32, args.threads)),
@@ -169,7 +227,15 @@ def main(argv: list[str] | None = None) -> int:
             Contender("torch AdamW(fused=True)", _torch_opt(shapes, fused=True)),
             Contender("torch AdamW(foreach=True)", _torch_opt(shapes, foreach=True)),
         ]
-        results.append(run_case(title, cs, n(shapes), args.rounds, "torch AdamW(fused=True)"))
+        if case == "many":  # the same elements as one flat tensor: the memory-bound rate
+            cs.append(Contender("offload_adam, one flat tensor", _ours([(n(shapes),)], torch.float32, args.threads)))
+        res = run_case(title, cs, n(shapes), args.rounds, "torch AdamW(fused=True)")
+        if case == "many":
+            flat = next(c for c in cs if c.name == "offload_adam, one flat tensor")
+            rate = statistics.median([b / a for a, b in zip(cs[0].times, flat.times)])
+            print(f"   => {len(shapes)} tensors run at {rate:.2f}x the Gparam/s of one flat tensor (median of per-round ratios)")
+            res["many_over_flat_rate"] = rate
+        results.append(res)
         del cs
     if args.json:
         with open(args.json, "w") as f:

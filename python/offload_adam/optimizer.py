@@ -661,6 +661,9 @@ class Adam(Optimizer):
                 extras[k] = v  # a non-parameter key (a state_dict pre-hook's): carried, as torch does
                 continue
             gi, i = where[k]
+            if isinstance(v, dict) and not v:  # an entry read before its first step: no state yet
+                extras[self.param_groups[gi]["params"][i]] = _Entry()
+                continue
             plan.append((gi, i, v, self._check_entry(gi, i, v, bool(merged[gi]["amsgrad"]))))
 
         # Everything checked: apply. A source may be a view of our own buffers
@@ -691,6 +694,8 @@ class Adam(Optimizer):
             for gi, i, v, step in plan:
                 self._write_entry(gi, i, v, step)
             for k, v in extras.items():
+                if isinstance(v, _Entry):
+                    v.owner = self.state
                 dict.__setitem__(self.state, k, v)
         self.state.dirty = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -16,7 +16,7 @@ use pyo3::intern;
 use pyo3::prelude::*;
 
 use super::convert::{err, hyper, pool, simd_or_default, HyperTuple};
-use super::dlpack::{carve_sets, torch, CheckedGrad, DType, GradCache, GradSpec, Import, Writable};
+use super::dlpack::{carve_sets, data_ptr, torch, CheckedGrad, DType, GradCache, GradSpec, Import, Writable};
 use crate::kernel::{self, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
 use crate::layout::{carve, check_disjoint, Layout, Slot, KINDS};
 
@@ -93,7 +93,7 @@ fn import_param(p: &Bound<'_, PyAny>, name: &str) -> PyResult<(Param, Import)> {
             imp.len
         )));
     }
-    let data_ptr: usize = p.call_method0(intern!(py, "data_ptr"))?.extract()?;
+    let data_ptr = data_ptr(p)?;
     if numel > 0 && data_ptr != imp.addr() {
         return Err(PyValueError::new_err(format!(
             "{name}: the export is not the parameter's own memory"
@@ -129,7 +129,7 @@ impl Inner {
         let Some(params) = &self.params else { return Ok(()) };
         let e = &params[i];
         let p = e.param.bind(py);
-        let ptr: usize = p.call_method0(intern!(py, "data_ptr"))?.extract()?;
+        let ptr = data_ptr(p)?;
         if ptr == e.data_ptr || e.numel == 0 {
             return Ok(());
         }

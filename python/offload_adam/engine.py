@@ -242,6 +242,8 @@ class Engine:
             host = dev.staging(torch.empty(len(vals), dtype=torch.float32))
             dev.stream_waits(dev.d2h, self._backward_done)
             dev.copy([(host[k : k + 1], v) for k, v in enumerate(vals)], dev.d2h)
+            for v in vals:  # GradScaler drops these tensors when step() returns
+                dev.keep_until_done(v, dev.d2h)
             scalars = (host, dev.record(dev.d2h), found_inf is not None)
         # Later device work (zero_grad(set_to_none=False), the next batch reusing a freed
         # gradient's block) waits for every gradient copy queued so far.

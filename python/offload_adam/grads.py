@@ -136,6 +136,9 @@ class StreamedGrads:
         if not pend:
             return
         dev = self.device
+        # An async step still working on this bucket reads its landing slots: new gradients wait
+        # for it (only gradients made without a forward, which waits for it first, get here).
+        b.done.wait()
         # The copies follow the gradients' producers (backward, on the current stream), and the
         # last copy-back of this bucket, which reads the landing slots they overwrite.
         dev.stream_waits(dev.d2h, dev.record_current())

@@ -127,6 +127,14 @@ class _Local(threading.local):
 _local = _Local()
 
 
+# Calls that read no tensor data (metadata, views): no device work, so no wait.
+_NO_DEVICE_WORK = frozenset(
+    "__get__ __set__ __delete__ __hash__ __len__ data_ptr detach dim element_size is_complex is_contiguous "
+    "is_floating_point is_pinned ndimension nelement numel size storage_offset stride "
+    "untyped_storage as_strided view view_as view_as_complex view_as_real".split()
+)
+
+
 class _HonourWaits(TorchFunctionMode):
     """Honours the current stream's pending waits before each device operation of this thread.
 
@@ -139,7 +147,12 @@ class _HonourWaits(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if _local.pending and not _local.host_section and not self.dev._host_only((args, kwargs)):
+        if (
+            _local.pending
+            and not _local.host_section
+            and getattr(func, "__name__", "") not in _NO_DEVICE_WORK
+            and self.dev._is_device_op((args, kwargs))
+        ):
             self.dev._honour()
         return func(*args, **kwargs)
 
@@ -153,6 +166,7 @@ class SimulatedDevice:
         self.closed = False
         self.violations: list[str] = []
         self._hosts: dict[int, _HostAlloc] = {}
+        self._device_mem: dict[int, Any] = {}  # storages queued copies have used: device memory
         self.d2h = _Stream(self, "d2h", seed * 2 + 1)
         self.h2d = _Stream(self, "h2d", seed * 2 + 2)
         # Testing aid of the simulator itself: False models a release that does not wait for
@@ -191,9 +205,22 @@ class SimulatedDevice:
         except Exception:  # a tensor without storage
             return None
 
-    def _host_only(self, tree: Any) -> bool:
-        tensors = [t for t in tree_flatten(tree)[0] if isinstance(t, Tensor)]
-        return bool(tensors) and all(self._alloc_of(t) is not None for t in tensors)
+    def _is_device_op(self, tree: Any) -> bool:
+        for t in tree_flatten(tree)[0]:
+            if not isinstance(t, Tensor):
+                continue
+            try:
+                st = t.untyped_storage()
+            except Exception:
+                continue
+            ref = self._device_mem.get(st.data_ptr())
+            if ref is not None and ref() is st:
+                return True
+        return False
+
+    def _note_device(self, t: Tensor) -> None:
+        st = t.untyped_storage()
+        self._device_mem[st.data_ptr()] = weakref.ref(st)
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -220,6 +247,8 @@ class SimulatedDevice:
 
     def _ref(self, t: Tensor, write: bool) -> _Ref:
         alloc = self._alloc_of(t)
+        if alloc is None:
+            self._note_device(t)
         if alloc is None and not write:
             # Held weakly: the storage's Python object lives exactly as long as the storage.
             return _Ref(weak=weakref.ref(t.untyped_storage()), geometry=(t.dtype, t.storage_offset(), t.shape, t.stride()))

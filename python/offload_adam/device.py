@@ -60,6 +60,10 @@ class Device(Protocol):
 
     def host_wait(self, event: Any) -> None: ...
 
+    def query(self, event: Any) -> bool:
+        """Whether ``event`` has completed (None: yes). Never waits."""
+        ...
+
     def keep_until_done(self, t: Tensor, stream: Any) -> None:
         """``t`` (a device tensor its owner is about to drop) stays allocated until the work
         queued on ``stream`` so far has completed (``Tensor.record_stream``)."""
@@ -138,6 +142,9 @@ class CudaDevice:
     def host_wait(self, event: Any) -> None:
         if event is not None:
             event.synchronize()
+
+    def query(self, event: Any) -> bool:
+        return event is None or bool(event.query())
 
     def keep_until_done(self, t: Tensor, stream: Any) -> None:
         t.record_stream(stream)

@@ -32,6 +32,11 @@ from .grads import Bucket, Rec, StreamedGrads
 from .simdevice import shared_device
 from .state import GroupState, HostTier, Tier
 
+# Offloaded buckets whose gradients have all arrived are stepped together, up to this many bytes
+# of gradient per native call (one parallel region: fewer, larger regions run at the rate of
+# one big tensor; see the bench's `offload` case).
+BATCH_BYTES = 256 << 20
+
 # A param group's hyper-parameters as the kernel takes them:
 # (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).
 Hyper = tuple[float, float, float, float, float, bool, bool, bool]
@@ -285,10 +290,13 @@ class Engine:
                         return  # skipped: nothing advances, the host gradients are dropped
                     if len(vals) > int(has_inf):
                         scale /= vals[-1]
-                for k, (b, recs) in enumerate(work):
-                    if self.hooks.before_bucket is not None:
-                        self.hooks.before_bucket(k)
-                    self._step_bucket(b, recs, hypers[b.gi], scale)
+                k = 0
+                while k < len(work):
+                    batch, interrupted = self._batch(work, k)
+                    self._step_batch(batch, hypers[batch[0][0].gi], scale)
+                    if interrupted is not None:
+                        raise interrupted
+                    k += len(batch)
         except BaseException as e:  # raised to the caller by the next step()/synchronize()
             # A bucket's `done` is set once its weights are on their way back.
             self._failure = _Failure(e, [(b, recs) for b, recs in work if not b.done.is_set()], generation)
@@ -298,17 +306,53 @@ class Engine:
             self.in_flight = False
             self.stats = self._cur  # the figures of the last finished step
 
-    def _step_bucket(self, b: Bucket, recs: list[Rec], hyper: Hyper, scale: float) -> None:
-        dev, st, g = self.device, self.streamed, b.group
+    def _batch(
+        self, work: list[tuple[Bucket, list[Rec]]], k: int
+    ) -> tuple[list[tuple[Bucket, list[Rec]]], BaseException | None]:
+        """Bucket ``k``, and the buckets after it of the same group whose gradients (and
+        everything else the kernel waits for) have already arrived, up to ``BATCH_BYTES`` of
+        gradient: one native call (one parallel region) for them all. After a finished backward
+        that is most of the step; in async mode a forward then waits a little longer for its
+        first weights, never for more than one batch. An error of the ``before_bucket`` hook
+        for a later bucket ends the batch before it, and is returned to raise after it."""
+        dev = self.device
+        assert dev is not None
+        before = self.hooks.before_bucket
+        if before is not None:
+            before(k)
+        batch = [work[k]]
+        size = sum(r.param.numel() * r.param.element_size() for r in work[k][1])
+        for j in range(k + 1, len(work)):
+            b, recs = work[j]
+            more = sum(r.param.numel() * r.param.element_size() for r in recs)
+            ready = all(dev.query(e) for e in (b.d2h_event, b.h2d_event, b.master_event, b.staged_event))
+            if b.gi != work[k][0].gi or size + more > BATCH_BYTES or not ready:
+                break
+            if before is not None:
+                try:
+                    before(j)
+                except BaseException as e:
+                    return batch, e
+            batch.append((b, recs))
+            size += more
+        return batch, None
+
+    def _step_batch(self, batch: list[tuple[Bucket, list[Rec]]], hyper: Hyper, scale: float) -> None:
+        """Steps consecutive buckets of one group in one native call, then queues their copies
+        back."""
+        dev, st = self.device, self.streamed
         assert dev is not None and st is not None
+        g = batch[0][0].group
         t0 = time.perf_counter()
-        # The last copy-back read the masters and landing slots this step rewrites.
-        dev.host_wait(b.h2d_event)
-        dev.host_wait(b.d2h_event)
-        st.finish_staged(b)
-        dev.host_wait(b.master_event)
-        b.master_event = None
+        for b, _ in batch:
+            # The last copy-back read the masters and landing slots this step rewrites.
+            dev.host_wait(b.h2d_event)
+            dev.host_wait(b.d2h_event)
+            st.finish_staged(b)
+            dev.host_wait(b.master_event)
+            b.master_event = None
         t1 = time.perf_counter()
+        recs = [r for _, rs in batch for r in rs]
         slots = [r.index for r in recs]
         self.tier.make_resident(g, slots)
         stepped = False
@@ -320,23 +364,26 @@ class Engine:
                 )  # fmt: skip
             stepped = True
         finally:
-            # The bucket's host state is updated: from here its weights must reach the model even
-            # if an interrupt arrives, so that the bucket is either untouched or fully updated.
+            # The buckets' host state is updated: from here their weights must reach the model
+            # even if an interrupt arrives, so that each bucket is either untouched or fully
+            # updated.
             t2 = time.perf_counter()
             if stepped:
                 dev.stream_waits(dev.h2d, self._backward_done)
                 with torch.profiler.record_function("offload_adam.h2d"):
-                    dev.copy([(r.param.detach(), g.copy_src(r.index)) for r in recs], dev.h2d)
+                    for b, rs in batch:
+                        dev.copy([(r.param.detach(), g.copy_src(r.index)) for r in rs], dev.h2d)
+                        b.h2d_event = dev.record(dev.h2d)
                 for r in recs:
                     r.param_version = r.param._version
-                b.h2d_event = dev.record(dev.h2d)
             self.tier.release(g, slots)
             t3 = time.perf_counter()
             self._cur["d2h_wait_s"] += t1 - t0
             self._cur["cpu_step_s"] += t2 - t1
             self._cur["h2d_issue_s"] += t3 - t2
             if stepped:
-                b.done.set()
+                for b, _ in batch:
+                    b.done.set()
 
     def synchronize(self, raise_error: bool = True) -> None:
         """Waits for an async step to finish and makes the current stream wait for its copies;

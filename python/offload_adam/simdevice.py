@@ -44,12 +44,16 @@ class SimEvent:
     def __init__(self, deps: Sequence[SimEvent] | None = None) -> None:
         self._done = threading.Event()
         self._deps = deps
+        self._stream: _Stream | None = None
+        self._index = 0
 
     def _complete(self) -> None:
         self._done.set()
 
     def wait(self) -> None:
         if self._deps is None:
+            if self._stream is not None:
+                self._stream.demand(self._index)
             self._done.wait()
         else:
             for d in self._deps:
@@ -81,21 +85,41 @@ class _Stream:
         self.name = name
         self._rng = random.Random(seed)
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        # Operations are numbered from 1; with copies on demand, the thread runs operation n only
+        # once something waits for an event at or after n.
+        self._cv = threading.Condition()
+        self._submitted = 0
+        self._wanted = 0
         self._thread = threading.Thread(target=self._loop, name=f"sim-{name}", daemon=True)
         self._thread.start()
 
-    def submit(self, op: Callable[[], None]) -> None:
+    def submit(self, op: Callable[[], None]) -> int:
         if self.dev.closed:
             op()
-        else:
-            self._q.put(op)
+            return 0
+        with self._cv:
+            self._submitted += 1
+            n = self._submitted
+        self._q.put(op)
+        return n
+
+    def demand(self, n: int) -> None:
+        with self._cv:
+            if n > self._wanted:
+                self._wanted = n
+                self._cv.notify_all()
 
     def _loop(self) -> None:
         _local.stream_thread = True
+        ran = 0
         while True:
             op = self._q.get()
             if op is None:
                 return
+            ran += 1
+            if self.dev.copies_on_demand:
+                with self._cv:
+                    self._cv.wait_for(lambda: self._wanted >= ran)
             if self.dev.max_delay_s > 0:
                 threading.Event().wait(self._rng.uniform(0.0, self.dev.max_delay_s))
             try:
@@ -160,9 +184,13 @@ class _HonourWaits(TorchFunctionMode):
 class SimulatedDevice:
     """CUDA stream semantics on the CPU (see the module documentation)."""
 
-    def __init__(self, seed: int = 0, max_delay_s: float = 0.002) -> None:
+    def __init__(self, seed: int = 0, max_delay_s: float = 0.002, copies_on_demand: bool = False) -> None:
         self.torch_device = torch.device("cpu")
         self.max_delay_s = max_delay_s
+        # Benchmarks: a stream runs its work only once something waits for it, so that the
+        # simulated copies never take this machine's cores while the kernel runs (a GPU's copy
+        # engine needs none).
+        self.copies_on_demand = copies_on_demand
         self.closed = False
         self.violations: list[str] = []
         self._hosts: dict[int, _HostAlloc] = {}
@@ -288,7 +316,8 @@ class SimulatedDevice:
 
     def record(self, stream: Any) -> SimEvent:
         e = SimEvent()
-        stream.submit(e._complete)
+        e._stream = stream
+        e._index = stream.submit(e._complete)
         return e
 
     def record_current(self) -> SimEvent:
@@ -309,6 +338,9 @@ class SimulatedDevice:
     def host_wait(self, event: Any) -> None:
         if event is not None:
             event.wait()
+
+    def query(self, event: Any) -> bool:
+        return event is None or bool(event.query())
 
     def keep_until_done(self, t: Tensor, stream: Any) -> None:
         held = [t]

@@ -53,17 +53,26 @@ def active_hooks() -> EngineHooks:
 
 
 @contextlib.contextmanager
-def simulated_device(seed: int = 0, max_delay_s: float = 0.002, lazy: bool = True) -> Iterator[SimulatedDevice]:
+def simulated_device(
+    seed: int = 0,
+    max_delay_s: float = 0.002,
+    lazy: bool = True,
+    copies_on_demand: bool = False,
+    keep_open: bool = False,
+) -> Iterator[SimulatedDevice]:
     """Optimizers built inside stream their CPU parameters through a simulated device; with
-    ``lazy``, waits of the current stream are honoured at this thread's next device operation."""
-    dev = SimulatedDevice(seed=seed, max_delay_s=max_delay_s)
+    ``lazy``, waits of the current stream are honoured at this thread's next device operation;
+    with ``copies_on_demand`` (benchmarks), copies run only when waited for. On exit the device
+    is closed (its later work runs inline), unless ``keep_open`` (optimizers used afterwards)."""
+    dev = SimulatedDevice(seed=seed, max_delay_s=max_delay_s, copies_on_demand=copies_on_demand)
     token = _DEVICE.set(dev)
     try:
         with dev.lazy() if lazy else contextlib.nullcontext():
             yield dev
     finally:
         _DEVICE.reset(token)
-        dev.close()
+        if not keep_open:
+            dev.close()
 
 
 @contextlib.contextmanager

@@ -37,6 +37,14 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 
+def _bump_version(t: Tensor) -> None:
+    set_version = torch._C._autograd._unsafe_set_version_counter
+    try:
+        set_version((t,), (t._version + 1,))
+    except TypeError:  # torch < 2.6 takes one tensor
+        set_version(t, t._version + 1)  # type: ignore[arg-type]
+
+
 class SimEvent:
     """Completes when its stream reaches it; an event of the current stream (``deps``) when
     all the events the current stream waits for have completed."""
@@ -284,7 +292,7 @@ class SimulatedDevice:
             alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         if alloc is None:
             # CUDA's copy_ bumps the version counter when it is launched, not when it runs.
-            torch._C._autograd._unsafe_set_version_counter((t,), (t._version + 1,))
+            _bump_version(t)
         return _Ref(alias=alias, alloc=alloc)
 
     def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:

@@ -1092,51 +1092,62 @@ fn grad_chunks<'a>(grads: &[GradRef<'a>]) -> Vec<GradRef<'a>> {
     out
 }
 
+/// A read-only pass over gradient chunks, one result per chunk.
+trait ChunkPass: Send + Sync {
+    type Out: Send;
+    /// # Safety
+    /// The CPU supports `P`.
+    unsafe fn on<P: Path, G: BlockIo>(g: &[G]) -> Self::Out;
+}
+
+/// Runs pass `F` over the chunks of `grads` on whichever path [`dispatch`] picks.
+fn chunk_pass<F: ChunkPass>(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<Vec<F::Out>> {
+    struct Run<'p, 'a, F>(Pool<'p>, Vec<GradRef<'a>>, std::marker::PhantomData<F>);
+    impl<F: ChunkPass> Visit for Run<'_, '_, F> {
+        type Out = Vec<F::Out>;
+        unsafe fn visit<P: Path>(self) -> Vec<F::Out> {
+            map(self.0, &self.1, |g| {
+                // SAFETY: the CPU supports `P` (this visit's contract); `grad_chunks` left out
+                // `InOut`, which has nothing to read.
+                unsafe {
+                    match g {
+                        GradRef::F32(s) => F::on::<P, _>(s),
+                        GradRef::Bf16(s) => F::on::<P, _>(s),
+                        GradRef::F16(s) => F::on::<P, _>(s),
+                        GradRef::InOut => unreachable!("not chunked"),
+                    }
+                }
+            })
+        }
+    }
+    dispatch(simd, Run::<F>(pool, grad_chunks(grads), std::marker::PhantomData))
+}
+
 /// Sum of the squares of every gradient element, accumulated in f64. Deterministic: partial sums
 /// of fixed chunks, added in order, whatever the number of threads.
 pub fn grad_sq_norm(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<f64> {
-    struct Norm<'p, 'a>(Pool<'p>, Vec<GradRef<'a>>);
-    impl Visit for Norm<'_, '_> {
+    struct SqNorm;
+    impl ChunkPass for SqNorm {
         type Out = f64;
-        unsafe fn visit<P: Path>(self) -> f64 {
-            let parts = map(self.0, &self.1, |g| {
-                // SAFETY: the CPU supports `P` (this visit's contract).
-                unsafe {
-                    match g {
-                        GradRef::F32(s) => P::sq_norm(s),
-                        GradRef::Bf16(s) => P::sq_norm(s),
-                        GradRef::F16(s) => P::sq_norm(s),
-                        GradRef::InOut => 0.0,
-                    }
-                }
-            });
-            parts.iter().sum()
+        unsafe fn on<P: Path, G: BlockIo>(g: &[G]) -> f64 {
+            // SAFETY: the caller's contract.
+            unsafe { P::sq_norm(g) }
         }
     }
-    dispatch(simd, Norm(pool, grad_chunks(grads)))
+    Ok(chunk_pass::<SqNorm>(simd, pool, grads)?.iter().sum())
 }
 
 /// Whether any gradient element is an infinity or a NaN. Reads only.
 pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Result<bool> {
-    struct NonFinite<'p, 'a>(Pool<'p>, Vec<GradRef<'a>>);
-    impl Visit for NonFinite<'_, '_> {
+    struct NonFinite;
+    impl ChunkPass for NonFinite {
         type Out = bool;
-        unsafe fn visit<P: Path>(self) -> bool {
-            let parts = map(self.0, &self.1, |g| {
-                // SAFETY: the CPU supports `P` (this visit's contract).
-                unsafe {
-                    match g {
-                        GradRef::F32(s) => P::nonfinite(s),
-                        GradRef::Bf16(s) => P::nonfinite(s),
-                        GradRef::F16(s) => P::nonfinite(s),
-                        GradRef::InOut => false,
-                    }
-                }
-            });
-            parts.into_iter().any(|b| b)
+        unsafe fn on<P: Path, G: BlockIo>(g: &[G]) -> bool {
+            // SAFETY: the caller's contract.
+            unsafe { P::nonfinite(g) }
         }
     }
-    dispatch(simd, NonFinite(pool, grad_chunks(grads)))
+    Ok(chunk_pass::<NonFinite>(simd, pool, grads)?.into_iter().any(|b| b))
 }
 
 /// A host buffer of any of the kernel's element types, to write.

@@ -109,13 +109,16 @@ def test_a_parent_reading_a_childs_weight_waits_for_it(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("by_backward", [False, True])
-def test_bf16_landing_slots_are_not_overwritten_before_their_copy_back(seed: int, by_backward: bool) -> None:
+def test_bf16_landing_slots_are_not_overwritten_before_their_copy_back(
+    seed: int, by_backward: bool, sim: SimulatedDevice
+) -> None:
     """Finding 3, second part: a bf16 parameter's landing slot is both the target of its
     gradient's copy and the source of its weights' copy back. New gradients right after an async
     step, before any forward waited for the weights (set by hand, or by a backward through the
     raw parameters outside any module), are copied into the slots: those copies must wait for the
     copy-back, or the weights receive gradient bytes."""
     torch.manual_seed(0)
+    sim.h2d.max_delay_s = 0.01  # copy-backs lag behind the gradient copies
     ps = [torch.nn.Parameter(torch.randn(64).bfloat16()) for _ in range(6)]
     qs = [torch.nn.Parameter(p.detach().float()) for p in ps]
     ours = AdamW(ps, lr=1e-2, async_step=True, bucket_mb=0.0001)
@@ -129,6 +132,10 @@ def test_bf16_landing_slots_are_not_overwritten_before_their_copy_back(seed: int
                 p.grad = g
         for q, g in zip(qs, gs):
             q.grad = g.float()
+        ours.synchronize()
+        for p in ps:  # the weights the last step sent, not gradient bytes
+            if p in ours.state:
+                assert torch.equal(p.detach(), ours.state[p]["master_param"].bfloat16())
         ours.step()
         ours.zero_grad()
         ref.step()

@@ -8,13 +8,17 @@ on CPU parameters ("device" tensors) and host buffers, with the hazards of a rea
 * an event completes when its stream reaches it; a stream or the host can wait on it;
 * the current stream is the calling thread: its device operations run at once, and a wait of
   the current stream on an event (``current_waits``) is honoured at the thread's next device
-  operation, not as an immediate host wait. A device operation is any torch operation on a
-  tensor that is not one of this device's host buffers; while :meth:`SimulatedDevice.lazy`
-  is entered, a dispatch mode sees them (without it, ``current_waits`` waits at once);
+  operation, not as an immediate host wait. A device operation is a torch call that reads or
+  writes device memory (a storage a queued copy has read or written: the parameters, their
+  gradients); metadata, views, property access, host buffers and other CPU tensors (a
+  checkpoint) are host work. While :meth:`SimulatedDevice.lazy` is entered, a torch-function
+  mode sees every call of the thread (without it, ``current_waits`` waits at once);
 * a device tensor freed while a queued copy still reads it (a GPU gradient dropped without
   ``keep_until_done``) is poisoned: the copy writes NaN, as a reused block would give garbage;
 * a host buffer released while a queued copy still uses it is recorded in ``violations``
-  (on a GPU: a DMA into unregistered, freed pages).
+  (on a GPU: a DMA into unregistered, freed pages);
+* with ``copies_on_demand`` (benchmarks) a stream runs its work only when something waits for
+  it, so that simulated copies never take the cores the kernel runs on.
 
 Writes into device tensors go through an alias with its own version counter, and the target's
 version is bumped when the copy is queued, as CUDA's ``copy_`` bumps it at launch.
@@ -98,6 +102,7 @@ class _Stream:
         self._cv = threading.Condition()
         self._submitted = 0
         self._wanted = 0
+        self.max_delay_s: float | None = None  # this stream's own delay bound (else the device's)
         self._thread = threading.Thread(target=self._loop, name=f"sim-{name}", daemon=True)
         self._thread.start()
 
@@ -128,8 +133,9 @@ class _Stream:
             if self.dev.copies_on_demand:
                 with self._cv:
                     self._cv.wait_for(lambda: self._wanted >= ran)
-            if self.dev.max_delay_s > 0:
-                threading.Event().wait(self._rng.uniform(0.0, self.dev.max_delay_s))
+            delay = self.dev.max_delay_s if self.max_delay_s is None else self.max_delay_s
+            if delay > 0:
+                threading.Event().wait(self._rng.uniform(0.0, delay))
             try:
                 op()
             except BaseException as e:  # recorded for the test to see
@@ -382,7 +388,7 @@ _shared = _Shared()
 
 def shared_device() -> SimulatedDevice:
     """The process's simulated device for ``OFFLOAD_ADAM_FORCE_STREAMING=1`` outside tests: no
-    delays, and ``current_waits`` waits at once (no dispatch mode around the user's code)."""
+    delays, and ``current_waits`` waits at once (no mode around the user's code)."""
     with _shared.lock:
         if _shared.device is None:
             _shared.device = SimulatedDevice(seed=0, max_delay_s=0.0)

@@ -36,8 +36,8 @@ pub fn pool(num_threads: usize) -> PyResult<Option<Arc<rayon::ThreadPool>>> {
 /// `(lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize)`.
 pub type HyperTuple = (f64, f64, f64, f64, f64, bool, bool, bool);
 
-/// The kernel's hyper-parameters of param group `gi`, checked.
-pub fn hyper(t: HyperTuple, gi: usize, grad_scale: f64, bias_correction: bool) -> PyResult<Hyper> {
+/// The kernel's hyper-parameters, checked; errors start with `what` (`param group 0`).
+pub fn hyper(t: HyperTuple, what: &str, grad_scale: f64, bias_correction: bool) -> PyResult<Hyper> {
     let (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize) = t;
     let h = Hyper {
         lr,
@@ -52,6 +52,6 @@ pub fn hyper(t: HyperTuple, gi: usize, grad_scale: f64, bias_correction: bool) -
         grad_scale,
     };
     h.validate()
-        .map_err(|e| PyValueError::new_err(format!("param group {gi}: {e}")))?;
+        .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
     Ok(h)
 }

@@ -4,10 +4,10 @@
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::convert::{err, pool, simd_or_default};
+use super::convert::{err, hyper, pool, simd_or_default};
 use super::dlpack::{carve_sets, DType, Import, Writable};
 use crate::isa::Simd;
-use crate::kernel::{self, Consts, GradRef, HostMut, Hyper, OutMut, Segment, StateMut};
+use crate::kernel::{self, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
 use crate::layout::overlaps;
 
 /// Imports read-only host tensors (the reductions' inputs).
@@ -143,19 +143,8 @@ pub fn adam_update(
             "step: must be >= 1 (the count after this update)",
         ));
     }
-    let h = Hyper {
-        lr,
-        beta1: betas.0,
-        beta2: betas.1,
-        eps,
-        weight_decay,
-        decoupled,
-        amsgrad,
-        maximize,
-        bias_correction,
-        grad_scale,
-    };
-    h.validate().map_err(PyValueError::new_err)?;
+    let hyper_tuple = (lr, betas.0, betas.1, eps, weight_decay, decoupled, amsgrad, maximize);
+    let h = hyper(hyper_tuple, "adam_update", grad_scale, bias_correction)?;
     let p = Import::new(param, "param")?;
     p.require(DType::F32, "param")?;
     let n = p.len;

@@ -464,7 +464,7 @@ pub fn adam_step(
     let mut tensors: Vec<Bound<'_, PyAny>> = Vec::new();
     let mut owners: Vec<(usize, usize)> = Vec::new();
     for (si, (inner, (h, sel))) in guards.iter_mut().zip(hypers.into_iter().zip(selections)).enumerate() {
-        let h = hyper(h, si, grad_scale, bias_correction)?;
+        let h = hyper(h, &format!("param group {si}"), grad_scale, bias_correction)?;
         if h.amsgrad && inner.bufs.get(MAX_EXP_AVG_SQ).is_none() {
             return Err(PyRuntimeError::new_err(format!(
                 "param group {si}: amsgrad needs a max_exp_avg_sq buffer"

@@ -121,7 +121,8 @@ def test_bf16_landing_slots_are_not_overwritten_before_their_copy_back(
     sim.h2d.max_delay_s = 0.01  # copy-backs lag behind the gradient copies
     ps = [torch.nn.Parameter(torch.randn(64).bfloat16()) for _ in range(6)]
     qs = [torch.nn.Parameter(p.detach().float()) for p in ps]
-    ours = AdamW(ps, lr=1e-2, async_step=True, bucket_mb=0.0001)
+    with testing.engine_hooks(before_bucket=lambda k: time.sleep(0.002)):  # a step still running
+        ours = AdamW(ps, lr=1e-2, async_step=True, bucket_mb=0.0001)
     ref = torch.optim.AdamW(qs, lr=1e-2, foreach=False)
     for t in range(25):
         gs = [(torch.randn(64) * 1000).bfloat16() for _ in ps]  # far from the weights: a mix-up shows

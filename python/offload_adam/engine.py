@@ -183,10 +183,10 @@ class Engine:
         Everything is checked before anything changes."""
         self.synchronize()
         self._materialize()
-        rebound: list[Rec] = []
         if self.streamed is not None:
-            # Checked before the CPU groups move, so that a refused step changes nothing.
-            rebound = self.streamed.check_params()
+            # Checked before the CPU groups move, so that a refused step changes nothing; a
+            # re-bound parameter's master is taken from its new storage below.
+            self.streamed.check_params()
         live = self.live_groups()
         direct = [(gi, g) for gi, g in live if not g.streamed]
         first: list[tuple[int, int]] = []
@@ -212,11 +212,11 @@ class Engine:
                     self.tier.release(g, range(len(g)))
             first += [(gi, i) for (gi, _), idx in zip(direct, firsts) for i in idx]
         if self.streamed is not None:
-            first += self._step_streamed(hypers, scale, grad_scale, found_inf, rebound)
+            first += self._step_streamed(hypers, scale, grad_scale, found_inf)
         return first
 
     def _step_streamed(
-        self, hypers: Sequence[Hyper], scale: float, grad_scale: Tensor | None, found_inf: Tensor | None, rebound: list[Rec]
+        self, hypers: Sequence[Hyper], scale: float, grad_scale: Tensor | None, found_inf: Tensor | None
     ) -> list[tuple[int, int]]:
         st, dev = self.streamed, self.device
         assert st is not None and dev is not None

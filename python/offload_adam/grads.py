@@ -187,10 +187,11 @@ class StreamedGrads:
 
     # -- before a step --------------------------------------------------------------------------
 
-    def check_params(self) -> list[Rec]:
-        """Raises if a parameter was moved or re-typed after the optimizer was built. Returns
-        those whose storage was replaced with the same shape, dtype and device (``p.data = t``,
-        ``to_empty()`` with swapped parameters): they are re-bound, the old storage untouched."""
+    def check_params(self) -> None:
+        """Raises if a parameter was moved or re-typed after the optimizer was built. Parameters
+        whose storage was replaced with the same shape, dtype and device (``p.data = t``,
+        ``to_empty()`` with swapped parameters) are re-bound: their masters are taken from the
+        new storage at the step, the old storage is never written again."""
         rebound = []
         for r in self.recs:
             p = r.param
@@ -207,7 +208,6 @@ class StreamedGrads:
             r.param_version = -1  # its master is taken from the new storage
             r.hook.remove()  # swap_tensors moves hooks with the old contents: register again
             r.hook = r.param.register_post_accumulate_grad_hook(self._hook)
-        return rebound
 
     def collect(self, scaler_ready: bool) -> None:
         """Before a step: copy gradients the hooks did not see, or that changed after their copy

@@ -15,10 +15,11 @@ holds no reference to the optimizer.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,14 +232,10 @@ class Engine:
         # is done; the copy-back waits for this point only, not for a next forward.
         self._backward_done = dev.record_current()
         # First step, a re-bound storage, or weights written since our copy-back (a checkpoint
-        # loaded into the model): the master takes the model's value, copied on the side stream
-        # after the backward (not on the legacy default stream of the worker thread).
+        # loaded into the model): the master takes the model's value (copied once its state is
+        # resident, see _step_batch).
         for b, recs in work:
-            stale = [r for r in recs if r.param._version != r.param_version]
-            if stale:
-                dev.stream_waits(dev.d2h, self._backward_done)
-                dev.copy([(r.group.master_view(r.index), r.param.detach()) for r in stale], dev.d2h)
-                b.master_event = dev.record(dev.d2h)
+            b.stale = [r for r in recs if r.param._version != r.param_version]
         # GradScaler's values are device tensors: read them in the step's thread after a copy,
         # not with a sync here (async mode returns before the backward has finished).
         scalars = None
@@ -325,7 +322,7 @@ class Engine:
         for j in range(k + 1, len(work)):
             b, recs = work[j]
             more = sum(r.param.numel() * r.param.element_size() for r in recs)
-            ready = all(dev.query(e) for e in (b.d2h_event, b.h2d_event, b.master_event, b.staged_event))
+            ready = all(dev.query(e) for e in (b.d2h_event, b.h2d_event, b.staged_event))
             if b.gi != work[k][0].gi or size + more > BATCH_BYTES or not ready:
                 break
             if before is not None:
@@ -349,12 +346,19 @@ class Engine:
             dev.host_wait(b.h2d_event)
             dev.host_wait(b.d2h_event)
             st.finish_staged(b)
-            dev.host_wait(b.master_event)
-            b.master_event = None
-        t1 = time.perf_counter()
         recs = [r for _, rs in batch for r in rs]
         slots = [r.index for r in recs]
         self.tier.make_resident(g, slots)
+        stale = [r for b, _ in batch for r in b.stale]
+        if stale:
+            # The model's weights into the masters, on the side stream after the backward (not on
+            # the legacy default stream of this thread).
+            dev.stream_waits(dev.d2h, self._backward_done)
+            dev.copy([(r.group.master_view(r.index), r.param.detach()) for r in stale], dev.d2h)
+            dev.host_wait(dev.record(dev.d2h))
+            for b, _ in batch:
+                b.stale = []
+        t1 = time.perf_counter()
         stepped = False
         try:
             with torch.profiler.record_function("offload_adam.cpu_step"):
@@ -376,7 +380,8 @@ class Engine:
                         b.h2d_event = dev.record(dev.h2d)
                 for r in recs:
                     r.param_version = r.param._version
-            self.tier.release(g, slots)
+            last = batch[-1][0].h2d_event
+            self.tier.release(g, slots, lambda: dev.host_wait(last))
             t3 = time.perf_counter()
             self._cur["d2h_wait_s"] += t1 - t0
             self._cur["cpu_step_s"] += t2 - t1
@@ -414,6 +419,9 @@ class Engine:
         """Before the host writes a buffer a copy-back reads (a checkpoint load): the step has
         finished and every copy-back has read its source."""
         self.synchronize()
+        self._wait_copy_backs()
+
+    def _wait_copy_backs(self) -> None:
         if self.device is not None and self.streamed is not None:
             for b in self.streamed.buckets:
                 self.device.host_wait(b.h2d_event)
@@ -427,6 +435,18 @@ class Engine:
         assert g is not None
         r = self.streamed.by_param[id(g.params[i])]
         r.param_version = r.param._version if from_checkpoint else -1
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every group's whole state resident (checkpoints, state written by other code)."""
+        groups = self.live_groups()
+        for _, g in groups:
+            self.tier.make_resident(g, range(len(g)))
+        try:
+            yield
+        finally:
+            for _, g in groups:
+                self.tier.release(g, range(len(g)), self._wait_copy_backs)
 
     def discard_grads(self) -> None:
         if self.streamed is not None:

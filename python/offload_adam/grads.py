@@ -66,7 +66,7 @@ class Bucket:
     expected: int = 0
     d2h_event: Any = None  # arrival of the bucket's last gradient copy
     h2d_event: Any = None  # completion of its last copy-back (its landing slots are the source)
-    master_event: Any = None  # completion of a refresh of masters from the model's weights
+    stale: list[Rec] = field(default_factory=list)  # masters to take from the model's weights
     staged: list[tuple[Rec, Tensor]] = field(default_factory=list)  # host adds still to do
     staged_event: Any = None
     done: threading.Event = field(default_factory=threading.Event)

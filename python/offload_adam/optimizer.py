@@ -416,12 +416,15 @@ class Adam(Optimizer):
             except ValueError as e:
                 raise ValueError(f"param group {gi}: {e}") from None
         self._take_over()
-        for gi, state in self._engine.live_groups():
-            if hypers[gi][6] and state.ensure_amsgrad():
-                for i, p in enumerate(state.params):
-                    entry = dict.get(self.state, p)
-                    if entry:
-                        dict.__setitem__(entry, "max_exp_avg_sq", state.views(i)["max_exp_avg_sq"])
+        needs_max = [(gi, g) for gi, g in self._engine.live_groups() if hypers[gi][6] and g.max_exp_avg_sq is None]
+        if needs_max:  # amsgrad switched on: the maximum starts from the state as it is
+            with self._engine.resident():
+                for gi, state in needs_max:
+                    state.ensure_amsgrad()
+                    for i, p in enumerate(state.params):
+                        entry = dict.get(self.state, p)
+                        if entry:
+                            dict.__setitem__(entry, "max_exp_avg_sq", state.views(i)["max_exp_avg_sq"])
         gs = grad_scale if isinstance(grad_scale, Tensor) or grad_scale is None else torch.tensor(float(grad_scale))
         first = self._engine.step(hypers, scale=self._clip_coef, grad_scale=gs, found_inf=found_inf)
         self._clip_coef = 1.0
@@ -574,6 +577,10 @@ class Adam(Optimizer):
         if not st.dirty:
             return
         self._engine.quiesce()
+        with self._engine.resident():
+            self._take_over_resident(st)
+
+    def _take_over_resident(self, st: _State) -> None:
         ours = self._buffer_ranges()
         plan: list[tuple[int, int, dict[str, Any] | None, float]] = []
         for gi, g in self._engine.live_groups():
@@ -600,17 +607,18 @@ class Adam(Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """torch's format. Moment tensors are views of this optimizer's buffers (as torch returns
-        its own tensors); ``step`` is a fresh tensor."""
+        its own tensors; copies where the tier's views do not stay valid between steps);
+        ``step`` is a fresh tensor."""
         self.synchronize()
         self._take_over()
-        sd = super().state_dict()
-        out = {}
-        for k, v in sd["state"].items():
-            if isinstance(v, dict):
-                v = {**v}
-                if isinstance(v.get("step"), Tensor):
-                    v["step"] = v["step"].clone()
-            out[k] = v
+        copy_all = not self._engine.tier.stable_views
+        with self._engine.resident():
+            sd = super().state_dict()
+            out = {}
+            for k, v in sd["state"].items():
+                if isinstance(v, dict):
+                    v = {kk: vv.clone() if isinstance(vv, Tensor) and (copy_all or kk == "step") else vv for kk, vv in v.items()}
+                out[k] = v
         sd["state"] = out
         return sd
 
@@ -680,10 +688,10 @@ class Adam(Optimizer):
             (gi, i, {key: x.clone() if isinstance(x, Tensor) and _aliases(x, ours) else x for key, x in v.items()}, step)
             for gi, i, v, step in plan
         ]
-        for gi, state in live:
-            if merged[gi]["amsgrad"]:
-                state.ensure_amsgrad()
-        with torch.no_grad():
+        with torch.no_grad(), self._engine.resident():
+            for gi, state in live:
+                if merged[gi]["amsgrad"]:
+                    state.ensure_amsgrad()
             dict.clear(self.state)
             for gi, state in live:
                 for t in state.state_buffers():
@@ -706,7 +714,14 @@ class Adam(Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         self.synchronize()
         self._take_over()
-        state = {k: dict(v) if isinstance(v, dict) else v for k, v in self.state.items()}
+        copy_all = not self._engine.tier.stable_views
+        with self._engine.resident():
+            state = {
+                k: {kk: vv.clone() if copy_all and isinstance(vv, Tensor) else vv for kk, vv in v.items()}
+                if isinstance(v, dict)
+                else v
+                for k, v in self.state.items()
+            }
         return {"defaults": self.defaults, "state": state, "param_groups": self.param_groups, "_config": self._config}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -725,7 +740,7 @@ class Adam(Optimizer):
             self._engine.add_group(gi, group["params"], names, config["state_dtype"], bool(group["amsgrad"]))
         self._engine._materialize()
         slot = self._slot_of()
-        with torch.no_grad():
+        with torch.no_grad(), self._engine.resident():
             for k, v in saved.items():
                 if isinstance(k, Tensor) and id(k) in slot and isinstance(v, dict) and v:
                     gi, i = slot[id(k)]

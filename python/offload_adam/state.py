@@ -183,8 +183,18 @@ class GroupState:
         return held, tight
 
 
+def _no_copies() -> None:
+    pass
+
+
 class Tier(Protocol):
-    """Where a group's state lives between steps (see the module documentation)."""
+    """Where a group's state lives between steps (see the module documentation).
+
+    The engine calls ``make_resident(group, slots)`` before it reads or writes those slots'
+    state (moments, amsgrad maximum, masters) and ``release(group, slots, copies_done)`` after.
+    Copies back to the device may still be reading the masters (and bf16/fp16 landing slots)
+    when ``release`` is called: a tier calls ``copies_done()`` (a host wait) before it reuses
+    that memory."""
 
     stable_views: bool  # whether the views of state[p] stay valid between steps
 
@@ -192,7 +202,7 @@ class Tier(Protocol):
 
     def make_resident(self, group: GroupState, slots: Sequence[int]) -> None: ...
 
-    def release(self, group: GroupState, slots: Sequence[int]) -> None: ...
+    def release(self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies) -> None: ...
 
 
 class HostTier:
@@ -206,6 +216,5 @@ class HostTier:
     def make_resident(self, group: GroupState, slots: Sequence[int]) -> None:
         pass
 
-    def release(self, group: GroupState, slots: Sequence[int]) -> None:
+    def release(self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies) -> None:
         pass
-

@@ -229,3 +229,28 @@ def test_cuda_parameters_are_offloaded_and_bad_ones_refused() -> None:
     with pytest.raises(RuntimeError, match="moved or changed"):
         opt.step()
     assert torch.equal(p.detach(), w)
+
+
+def test_tensor_subclasses_without_memory_of_their_own_are_refused_at_construction(tmp_path: Any) -> None:
+    """A DTensor parameter (FSDP2) has no local memory behind its data pointer: refused with a
+    message naming it, before anything could read through a null pointer."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3), mesh, [Replicate()]))
+        with pytest.raises(TypeError, match="DTensor is not supported.*local shards"):
+            AdamW([p])
+        # A parameter subclass with memory of its own (FSDP1's FlatParameter, say) is accepted.
+        class Mine(torch.nn.Parameter):
+            pass
+
+        q = Mine(torch.randn(3))
+        q.grad = torch.ones(3)
+        opt = AdamW([q])
+        opt.step()
+        assert float(opt.state[q]["step"]) == 1
+    finally:
+        dist.destroy_process_group()

@@ -375,10 +375,11 @@ class Adam(Optimizer):
                 group["param_names"] = [names[id(p)] for p in unique]
         for i, p in enumerate(group["params"]):
             name = self._name(group, gi, i)
-            if type(p) is not torch.nn.Parameter and type(p) is not Tensor:
+            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+                # A wrapper subclass (DTensor, ...) has no memory of its own to update in place.
                 raise TypeError(
-                    f"{name}: a {type(p).__name__} is not supported; pass plain tensors (for FSDP2 DTensors, "
-                    "their local shards are the supported route)"
+                    f"{name}: a {type(p).__name__} is not supported: it has no memory of its own to update "
+                    "in place; pass plain tensors (for an FSDP2 model, its DTensors' local shards)"
                 )
             if p.layout != torch.strided:
                 raise TypeError(f"{name}: layout {p.layout} is not supported, only dense (strided) tensors")

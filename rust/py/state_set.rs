@@ -250,7 +250,7 @@ impl StateSet {
             }
             _ => return Err(PyValueError::new_err("landing and landing_slots go together")),
         }
-        let from_landing = slot_landing.iter().all(Option::is_some) && landing_given;
+        let from_landing = landing_given;
         let slots: Vec<Slot> = (0..n)
             .map(|i| Slot {
                 state: state_offsets[i],

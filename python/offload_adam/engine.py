@@ -2,9 +2,9 @@
 
 CPU groups go to the kernel in one native call per step (one parallel region over every
 parameter). Offloaded groups are stepped bucket by bucket, in parameter order (the order the
-next forward needs them); for each bucket:
+next forward needs them), buckets whose gradients have arrived batched into one native call:
 
-    tier.make_resident ─► wait for its gradients ─► native step ─► queue the copy-back ─► tier.release
+    wait for the gradients ─► tier.make_resident ─► native step ─► queue the copy-back ─► tier.release
 
 synchronously in ``step()``, or (``async_step``) on a worker thread while the next forward
 runs: a forward pre-hook makes each module wait only for the buckets it reads.
@@ -223,7 +223,8 @@ class Engine:
         assert st is not None and dev is not None
         st.collect(scaler_ready=grad_scale is not None)
         work = st.take()
-        first = [(b.gi, r.index) for b, recs in work for r in recs if float(b.group.steps[r.index]) == 0.0]
+        counts = {id(g): g.steps.tolist() for _, g in self.live_groups() if g.streamed}
+        first = [(b.gi, r.index) for b, recs in work for r in recs if counts[id(b.group)][r.index] == 0.0]
         self._tentative = list(first)
         for b, _ in work:
             b.done.clear()
@@ -318,12 +319,11 @@ class Engine:
         if before is not None:
             before(k)
         batch = [work[k]]
-        size = sum(r.param.numel() * r.param.element_size() for r in work[k][1])
+        size = work[k][0].nbytes
         for j in range(k + 1, len(work)):
             b, recs = work[j]
-            more = sum(r.param.numel() * r.param.element_size() for r in recs)
             ready = all(dev.query(e) for e in (b.d2h_event, b.h2d_event, b.staged_event))
-            if b.gi != work[k][0].gi or size + more > BATCH_BYTES or not ready:
+            if b.gi != work[k][0].gi or size + b.nbytes > BATCH_BYTES or not ready:
                 break
             if before is not None:
                 try:
@@ -331,7 +331,7 @@ class Engine:
                 except BaseException as e:
                     return batch, e
             batch.append((b, recs))
-            size += more
+            size += b.nbytes
         return batch, None
 
     def _step_batch(self, batch: list[tuple[Bucket, list[Rec]]], hyper: Hyper, scale: float) -> None:
@@ -376,7 +376,7 @@ class Engine:
                 dev.stream_waits(dev.h2d, self._backward_done)
                 with torch.profiler.record_function("offload_adam.h2d"):
                     for b, rs in batch:
-                        dev.copy([(r.param.detach(), g.copy_src(r.index)) for r in rs], dev.h2d)
+                        dev.copy([(r.param.detach(), r.copy_src) for r in rs], dev.h2d)
                         b.h2d_event = dev.record(dev.h2d)
                 for r in recs:
                     r.param_version = r.param._version

@@ -40,6 +40,9 @@ class Rec:
     dtype: torch.dtype  # its dtype when the group was built
     shape: torch.Size
     data_ptr: int  # the address of its storage when last bound
+    slot: Tensor  # its gradient's host landing slot, shaped like it
+    copy_src: Tensor  # the host view its updated weights are copied back from
+    nbytes: int  # its gradient's bytes
     hook: Any = None
     has_grad: bool = False  # the landing slot holds this step's gradient
     pending: Tensor | None = None  # a device gradient waiting for its bucket's copy
@@ -60,6 +63,7 @@ class Bucket:
     group: GroupState
     gi: int
     recs: list[Rec]
+    nbytes: int = 0  # gradient bytes of all its parameters
     ready_count: int = 0
     # Gradients to wait for before copying: those that arrived last step (a parameter that
     # never gets one, an unused layer, must not hold its bucket back until step()).
@@ -98,17 +102,18 @@ class StreamedGrads:
         bucket: list[Rec] = []
         size = 0
         for i, p in enumerate(group.params):
-            r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr())
+            nbytes = p.numel() * p.element_size()
+            r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), nbytes)
             r.hook = p.register_post_accumulate_grad_hook(self._hook)
             self.recs.append(r)
             self.by_param[id(p)] = r
             bucket.append(r)
-            size += p.numel() * p.element_size()
+            size += nbytes
             if size >= self.bucket_bytes:
-                self.buckets.append(Bucket(group, gi, bucket))
+                self.buckets.append(Bucket(group, gi, bucket, size))
                 bucket, size = [], 0
         if bucket:
-            self.buckets.append(Bucket(group, gi, bucket))
+            self.buckets.append(Bucket(group, gi, bucket, size))
         for b in self.buckets:
             b.done.set()
 
@@ -154,7 +159,7 @@ class StreamedGrads:
                 staged.append((r, st))
                 pairs.append((st, g))
             else:
-                pairs.append((r.group.grad_slot(r.index), g))
+                pairs.append((r.slot, g))
         with torch.profiler.record_function("offload_adam.d2h"):
             dev.copy(pairs, dev.d2h)
         for r in pend:
@@ -182,7 +187,7 @@ class StreamedGrads:
             return
         self.device.host_wait(b.staged_event)
         for r, st in b.staged:
-            _native.grad_accumulate(r.group.grad_slot(r.index), st, num_threads=self.num_threads)
+            _native.grad_accumulate(r.slot, st, num_threads=self.num_threads)
         b.staged, b.staged_event = [], None
 
     # -- before a step --------------------------------------------------------------------------
@@ -276,4 +281,4 @@ class StreamedGrads:
 
     def grad_views(self) -> list[Tensor]:
         """Host copies of this step's gradients (after :meth:`wait_all`)."""
-        return [r.group.grad_slot(r.index).view(-1) for r in self.recs if r.has_grad]
+        return [r.slot.view(-1) for r in self.recs if r.has_grad]

@@ -180,11 +180,16 @@ class _State(defaultdict):  # type: ignore[type-arg]
         return (dict, (dict(self),))
 
 
-def _aliases(t: Tensor, ranges: list[tuple[int, int]]) -> bool:
-    """Whether ``t``'s storage shares a byte with one of ``ranges``."""
-    st = t.untyped_storage()
-    lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
-    return hi > lo and any(a < hi and lo < b for a, b in ranges)
+def _unaliased(entry: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, Any]:
+    """``entry`` with every tensor that shares memory with one of ``ranges`` (our buffers)
+    replaced by a copy, so that writing the buffers cannot change the source."""
+
+    def aliases(t: Tensor) -> bool:
+        st = t.untyped_storage()
+        lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
+        return hi > lo and any(a < hi and lo < b for a, b in ranges)
+
+    return {k: x.clone() if isinstance(x, Tensor) and aliases(x) else x for k, x in entry.items()}
 
 
 class Adam(Optimizer):
@@ -596,8 +601,7 @@ class Adam(Optimizer):
                 if isinstance(entry, _Entry) and views and all(entry.get(k) is not None and _same_view(entry[k], t) for k, t in views.items()):
                     continue
                 step = self._check_entry(gi, i, entry, amsgrad)
-                src = {k: (x.clone() if isinstance(x, Tensor) and _aliases(x, ours) else x) for k, x in entry.items()}
-                plan.append((gi, i, src, step))
+                plan.append((gi, i, _unaliased(entry, ours), step))
         with torch.no_grad():
             for gi, i, entry_src, step in plan:
                 if entry_src is None:
@@ -685,10 +689,7 @@ class Adam(Optimizer):
             g.update(new)
         live = self._engine.live_groups()
         ours = self._buffer_ranges()
-        plan = [
-            (gi, i, {key: x.clone() if isinstance(x, Tensor) and _aliases(x, ours) else x for key, x in v.items()}, step)
-            for gi, i, v, step in plan
-        ]
+        plan = [(gi, i, _unaliased(v, ours), step) for gi, i, v, step in plan]
         with torch.no_grad(), self._engine.resident():
             for gi, state in live:
                 if merged[gi]["amsgrad"]:

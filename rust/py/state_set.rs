@@ -534,11 +534,7 @@ pub fn adam_step(
             params,
             ..
         } = &mut **g;
-        meta.push((
-            &*layout,
-            &*names,
-            params.as_ref().map(|ps| ps.iter().map(|p| p.dtype).collect::<Vec<_>>()),
-        ));
+        meta.push((&*layout, &*names, params.as_deref()));
         writables.push(bufs);
     }
     let (mut carved, written) = carve_sets(writables)?;
@@ -546,7 +542,7 @@ pub fn adam_step(
     let mut steps_of: Vec<&mut [f32]> = Vec::with_capacity(sets.len());
     let mut new_steps: Vec<Vec<f32>> = Vec::with_capacity(sets.len());
     for (si, bufs) in carved.iter_mut().enumerate() {
-        let (layout, names, param_dtypes) = &meta[si];
+        let (layout, names, params) = &meta[si];
         let sel = &picked[si];
         let h = &hs[si];
         let slots = layout.slots();
@@ -569,7 +565,7 @@ pub fn adam_step(
         } else {
             None
         };
-        let uses_master = |i: usize| param_dtypes.as_ref().is_none_or(|d| d[i] != DType::F32);
+        let uses_master = |i: usize| params.is_none_or(|ps| ps[i].dtype != DType::F32);
         let master_pos: Vec<usize> = (0..sel.len()).filter(|&j| uses_master(sel[j])).collect();
         let master_ranges: Vec<(usize, usize)> = master_pos.iter().map(|&j| ranges[j]).collect();
         let mut masters: Vec<Option<&mut [f32]>> = (0..sel.len()).map(|_| None).collect();
@@ -617,7 +613,7 @@ pub fn adam_step(
             let master = masters[j].take();
             let landing = landed[j].take();
             let missing = |what: &str| PyRuntimeError::new_err(format!("{}: no {what}", names[i]));
-            let (param, out, grad) = match param_dtypes {
+            let (param, out, grad) = match params {
                 Some(_) => {
                     let own = bufs[PARAMS + i].take().ok_or_else(|| missing("parameter memory"))?;
                     let (param, out) = match (own, master) {

@@ -193,13 +193,23 @@ class StreamedGrads:
     # -- before a step --------------------------------------------------------------------------
 
     def check_params(self) -> None:
-        """Raises if a parameter was moved or re-typed after the optimizer was built. Parameters
+        """Raises if a parameter was moved or re-typed after the optimizer was built, or (with
+        ``free_gradients``) its gradient rewritten after its copy. Parameters
         whose storage was replaced with the same shape, dtype and device (``p.data = t``,
         ``to_empty()`` with swapped parameters) are re-bound: their masters are taken from the
         new storage at the step, the old storage is never written again."""
         rebound = []
         for r in self.recs:
             p = r.param
+            if self.free_gradients and r.has_grad and r.pending is None and p.grad is not None:
+                # Written after the backward copied and freed it, without a backward (no hook):
+                # DistributedDataParallel writes its averaged gradients so. Adding it to the
+                # host copy would be wrong under DDP, and replacing it wrong for an edit.
+                raise RuntimeError(
+                    f"{r.name}: its gradient was written again after the backward had copied it to the "
+                    "host and freed it (DistributedDataParallel writes the averaged gradients this way); "
+                    "free_gradients=True cannot tell whether to add or replace it: use free_gradients=False"
+                )
             if p.data_ptr() == r.data_ptr:
                 continue
             if p.dtype != r.dtype or p.shape != r.shape or p.device != self.device.torch_device:
@@ -227,7 +237,7 @@ class StreamedGrads:
             if r.pending is not None:
                 continue
             if self.free_gradients:
-                r.pending, r.accumulate = g, r.has_grad  # a gradient set by hand
+                r.pending, r.accumulate = g, False  # set by hand (check_params refused a rewrite)
                 continue
             # GradScaler's inf check multiplies every gradient by 1.0 in place just before a step
             # it drives: that one version bump changes no value.

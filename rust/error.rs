@@ -11,12 +11,14 @@ pub enum Error {
     Type(String),
     /// An operation that cannot run in the present state (Python `RuntimeError`).
     Runtime(String),
+    /// A failed system call, with its errno (Python `OSError`).
+    Io(i32, String),
 }
 
 impl Error {
     pub fn message(&self) -> &str {
         match self {
-            Error::Value(m) | Error::Type(m) | Error::Runtime(m) => m,
+            Error::Value(m) | Error::Type(m) | Error::Runtime(m) | Error::Io(_, m) => m,
         }
     }
 
@@ -26,6 +28,7 @@ impl Error {
             Error::Value(m) => Error::Value(format!("{what}: {m}")),
             Error::Type(m) => Error::Type(format!("{what}: {m}")),
             Error::Runtime(m) => Error::Runtime(format!("{what}: {m}")),
+            Error::Io(e, m) => Error::Io(e, format!("{what}: {m}")),
         }
     }
 }

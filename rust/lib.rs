@@ -12,6 +12,7 @@
 
 pub mod elem;
 pub mod error;
+pub mod io;
 pub mod isa;
 pub mod kernel;
 pub mod layout;

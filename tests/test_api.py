@@ -14,7 +14,10 @@ from helpers import SHAPES, assert_state_close, clone_params, deep, make_params,
 import offload_adam
 from offload_adam import Adam, AdamW
 
-EXTRAS = {"num_threads", "state_dtype", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb"}
+EXTRAS = {
+    "num_threads", "state_dtype", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb",
+    "nvme_dir", "host_budget_gb", "nvme_read_ahead",
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("ours,ref", [(AdamW, torch.optim.AdamW), (Adam, torch.optim.Adam)])
@@ -48,7 +51,11 @@ def test_signature_and_defaults_match_torch(ours: type, ref: type) -> None:
         ({"capturable": True}, "capturable=True is not supported"),
         ({"differentiable": True}, "differentiable=True is not supported"),
         ({"state_dtype": torch.float16}, "state_dtype must be"),
-        ({"offload": "nvme"}, "offload must be one of"),
+        ({"offload": "disk"}, "offload must be one of"),
+        ({"offload": "nvme"}, "offload=\"nvme\" needs nvme_dir"),
+        ({"nvme_dir": "/tmp"}, "nvme_dir is only used with offload=\"nvme\""),
+        ({"host_budget_gb": -1}, "host_budget_gb must be"),
+        ({"nvme_read_ahead": -1}, "nvme_read_ahead must be"),
         ({"num_threads": 0}, "num_threads must be an int >= 1"),
     ],
 )

@@ -19,7 +19,7 @@ from offload_adam.state import GroupState, HostTier
 KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 
 
-class EvictingTier:
+class EvictingTier(HostTier):
     """Keeps each slot's state in a side store between accesses; the buffers hold NaN then."""
 
     stable_views = False

@@ -174,12 +174,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--scale", type=float, default=1.0, help="shrink every case (e.g. 0.1 for a quick look)")
     ap.add_argument("--json", help="also write the results to this file")
+    ap.add_argument("--nvme", metavar="DIR", help="instead: the NVMe tier with its state under DIR (see nvme_bench)")
+    ap.add_argument("--nvme-params", type=float, default=100e6, help="parameters of the --nvme model (default 100M)")
+    ap.add_argument("--raw-gb", type=float, default=2.0, help="GiB of the --nvme raw-bandwidth file (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(
         f"offload_adam bench: torch {torch.__version__}, {args.threads} threads, SIMD path {_native.simd_path()}, "
-        f"python {sys.version.split()[0]}"
+        f"I/O backend {_native.io_backend()}, python {sys.version.split()[0]}"
     )
+    if args.nvme:
+        from . import nvme_bench
+
+        out = nvme_bench.run(args.nvme, params=args.nvme_params, rounds=args.rounds, threads=args.threads, raw_gb=args.raw_gb)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     s = args.scale
     gpt2 = gpt2_small_shapes()
     if s != 1.0:

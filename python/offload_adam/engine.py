@@ -33,11 +33,6 @@ from .grads import Bucket, Rec, StreamedGrads
 from .simdevice import shared_device
 from .state import GroupState, HostTier, Tier
 
-# Offloaded buckets whose gradients have all arrived are stepped together, up to this many bytes
-# of gradient per native call (one parallel region: fewer, larger regions run at the rate of
-# one big tensor; see the bench's `offload` case).
-BATCH_BYTES = 256 << 20
-
 # A param group's hyper-parameters as the kernel takes them:
 # (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).
 Hyper = tuple[float, float, float, float, float, bool, bool, bool]
@@ -75,7 +70,14 @@ class Engine:
     """Steps the param groups of one optimizer (see the module documentation)."""
 
     def __init__(
-        self, *, num_threads: int, bias_correction: bool, async_step: bool, free_gradients: bool, bucket_bytes: int
+        self,
+        *,
+        num_threads: int,
+        bias_correction: bool,
+        async_step: bool,
+        free_gradients: bool,
+        bucket_bytes: int,
+        tier: Tier | None = None,
     ) -> None:
         self.num_threads = num_threads
         self.bias_correction = bias_correction
@@ -83,7 +85,7 @@ class Engine:
         self.free_gradients = free_gradients
         self.bucket_bytes = bucket_bytes
         self.hooks = testing.active_hooks()
-        self.tier: Tier = self.hooks.tier() if self.hooks.tier is not None else HostTier()
+        self.tier: Tier = self.hooks.tier() if self.hooks.tier is not None else (tier or HostTier())
         self.groups: list[GroupState | None] = []  # None: parameters still on the meta device
         self._deferred: dict[int, tuple[list[Tensor], list[str], torch.dtype, bool]] = {}
         self.device: Device | None = None
@@ -92,9 +94,11 @@ class Engine:
         self.in_flight = False
         self._failure: _Failure | None = None
         self._tentative: list[tuple[int, int]] = []  # state views installed before their step ran
+        self._direct_left: set[tuple[int, int]] | None = None  # CPU chunks a failed step did not do
         self.stats: dict[str, float] = {}
         self._cur: dict[str, float] = {}
         self._backward_done: Any = None
+        self._io_before: dict[str, float] = {}
         # Forward waits (async mode): modules seen running, parameters each one reads.
         self._called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._reads: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
@@ -136,7 +140,10 @@ class Engine:
             self._deferred[gi] = (params, names, state_dtype, amsgrad)
             return
         device = self._device_for(dev, gi)
-        group = GroupState(params, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device)
+        group = GroupState(
+            params, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device, bucket_bytes=self.bucket_bytes,
+            page_align=self.tier.page_align, state_alloc=self.tier.state_alloc,
+        )  # fmt: skip
         if device is None:
             group.native.check_disjoint([g.native for g in self.groups if g is not None and not g.streamed])
         self.tier.attach(group)
@@ -147,9 +154,7 @@ class Engine:
         if device is not None:
             if self.streamed is None:
                 self.device = device
-                self.streamed = StreamedGrads(
-                    device, free_gradients=self.free_gradients, bucket_bytes=self.bucket_bytes, num_threads=self.num_threads
-                )
+                self.streamed = StreamedGrads(device, free_gradients=self.free_gradients, num_threads=self.num_threads)
                 self._install_module_hooks()
             self.streamed.add_group(gi, group)
 
@@ -173,6 +178,7 @@ class Engine:
         for h in self._module_hooks:
             h.remove()
         self._module_hooks = []
+        self.tier.close()
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -201,20 +207,62 @@ class Engine:
                 scale /= float(grad_scale)
             grad_scale = found_inf = None
         if direct:
-            for gi, g in direct:
-                self.tier.make_resident(g, range(len(g)))
-            try:
-                firsts = _native.adam_step(
-                    [g.native for _, g in direct], [hypers[gi] for gi, _ in direct], [None] * len(direct),
-                    num_threads=self.num_threads, grad_scale=scale, bias_correction=self.bias_correction,
-                )  # fmt: skip
-            finally:
-                for gi, g in direct:
-                    self.tier.release(g, range(len(g)))
-            first += [(gi, i) for (gi, _), idx in zip(direct, firsts) for i in idx]
+            first += self._step_direct(direct, hypers, scale)
         if self.streamed is not None:
             first += self._step_streamed(hypers, scale, grad_scale, found_inf)
         return first
+
+    def _step_direct(self, direct: list[tuple[int, GroupState]], hypers: Sequence[Hyper], scale: float) -> list[tuple[int, int]]:
+        """CPU groups: one native call for all of them, or (a tier that pages) one per chunk, in
+        order. A chunk that fails is untouched, those before it fully updated; the next step
+        does the chunks this one did not (unless ``zero_grad`` came between), as the streamed
+        path gives back the buckets a failed step did not do."""
+        whole = [(gi, g) for gi, g in direct if self.tier.chunks(g) is None]
+        calls: list[tuple[list[tuple[int, GroupState]], list[list[int]] | None, tuple[int, int]]] = []
+        if whole:
+            calls.append((whole, None, (-1, 0)))
+        for gi, g in direct:
+            for rng in self.tier.chunks(g) or []:
+                calls.append(([(gi, g)], [list(rng)], (gi, rng.start)))
+        if self._direct_left is not None:
+            calls = [c for c in calls if c[2] in self._direct_left]
+            self._direct_left = None
+        before = self._io_stats()
+        first: list[tuple[int, int]] = []
+        t_kernel = 0.0
+        for n, (groups, selection, _) in enumerate(calls):
+            try:
+                for gi, g in groups:
+                    self.tier.make_resident(g, selection[0] if selection else range(len(g)))
+                t0 = time.perf_counter()
+                try:
+                    firsts = _native.adam_step(
+                        [g.native for _, g in groups], [hypers[gi] for gi, _ in groups],
+                        selection or [None] * len(groups), num_threads=self.num_threads, grad_scale=scale,
+                        bias_correction=self.bias_correction,
+                    )  # fmt: skip
+                finally:
+                    t_kernel += time.perf_counter() - t0
+                    for gi, g in groups:
+                        self.tier.release(g, selection[0] if selection else range(len(g)))
+            except BaseException:
+                self._direct_left = {c[2] for c in calls[n:]}
+                raise
+            first += [(gi, i) for (gi, _), idx in zip(groups, firsts) for i in idx]
+        if self.streamed is None:
+            try:
+                self.tier.end_step()
+            except BaseException:
+                self._direct_left = set()  # every chunk is done: the next step() only writes back
+                raise
+            self.stats = {"cpu_step_s": t_kernel, **self._io_stats(before)}
+        return first
+
+    def _io_stats(self, before: dict[str, float] | None = None) -> dict[str, float]:
+        """The tier's I/O counters (bytes read and written, seconds waited for I/O), or their
+        change since ``before``."""
+        now = dict(getattr(self.tier, "stats", {}))
+        return now if before is None else {k: v - before.get(k, 0.0) for k, v in now.items()}
 
     def _step_streamed(
         self, hypers: Sequence[Hyper], scale: float, grad_scale: Tensor | None, found_inf: Tensor | None
@@ -229,6 +277,7 @@ class Engine:
         for b, _ in work:
             b.done.clear()
         self._cur = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
+        self._io_before = self._io_stats()
         # Weights may be overwritten once the work queued so far (the backward that read them)
         # is done; the copy-back waits for this point only, not for a next forward.
         self._backward_done = dev.record_current()
@@ -295,6 +344,7 @@ class Engine:
                     if interrupted is not None:
                         raise interrupted
                     k += len(batch)
+                self.tier.end_step()
         except BaseException as e:  # raised to the caller by the next step()/synchronize()
             # A bucket's `done` is set once its weights are on their way back.
             self._failure = _Failure(e, [(b, recs) for b, recs in work if not b.done.is_set()], generation)
@@ -302,15 +352,17 @@ class Engine:
             for b, _ in work:
                 b.done.set()
             self.in_flight = False
-            self.stats = self._cur  # the figures of the last finished step
+            self._cur.update(self._io_stats(self._io_before))
+            self.stats = self._cur  # the last finished step's (a forward still waiting adds to it)
 
     def _batch(
         self, work: list[tuple[Bucket, list[Rec]]], k: int
     ) -> tuple[list[tuple[Bucket, list[Rec]]], BaseException | None]:
         """Bucket ``k``, and the buckets after it of the same group whose gradients (and
-        everything else the kernel waits for) have already arrived, up to ``BATCH_BYTES`` of
-        gradient: one native call (one parallel region) for them all. After a finished backward
-        that is most of the step; in async mode a forward then waits a little longer for its
+        everything else the kernel waits for) have already arrived, up to the tier's
+        ``batch_bytes`` of gradient: one native call (one parallel region) for them all (fewer,
+        larger regions run at the rate of one big tensor; see the bench's `offload` case). After
+        a finished backward that is most of the step; in async mode a forward then waits a little longer for its
         first weights, never for more than one batch. An error of the ``before_bucket`` hook
         for a later bucket ends the batch before it, and is returned to raise after it."""
         dev = self.device
@@ -323,7 +375,7 @@ class Engine:
         for j in range(k + 1, len(work)):
             b, recs = work[j]
             ready = all(dev.query(e) for e in (b.d2h_event, b.h2d_event, b.staged_event))
-            if b.gi != work[k][0].gi or size + b.nbytes > BATCH_BYTES or not ready:
+            if b.gi != work[k][0].gi or size + b.nbytes > self.tier.batch_bytes or not ready:
                 break
             if before is not None:
                 try:
@@ -437,18 +489,22 @@ class Engine:
         r.param_version = r.param._version if from_checkpoint else -1
 
     @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        """Every group's whole state resident (checkpoints, state written by other code)."""
-        groups = self.live_groups()
-        for _, g in groups:
-            self.tier.make_resident(g, range(len(g)))
+    def resident(self, only: tuple[GroupState, Sequence[int]] | None = None) -> Iterator[None]:
+        """Every group's whole state resident (checkpoints, state written by other code), or
+        only these slots of one group (a streaming checkpoint, bucket by bucket)."""
+        parts = [(g, range(len(g))) for _, g in self.live_groups()] if only is None else [only]
+        for g, slots in parts:
+            self.tier.make_resident(g, slots)
         try:
             yield
         finally:
-            for _, g in groups:
-                self.tier.release(g, range(len(g)), self._wait_copy_backs)
+            for g, slots in parts:
+                self.tier.release(g, slots, self._wait_copy_backs)
+            if only is None:
+                self.tier.end_step()
 
     def discard_grads(self) -> None:
+        self._direct_left = None
         if self.streamed is not None:
             self.streamed.discard()
 
@@ -558,9 +614,10 @@ class Engine:
     # -- reports --------------------------------------------------------------------------------
 
     def memory(self) -> tuple[int, int]:
-        held = tight = 0
+        tier = self.tier.memory()
+        held = tight = tier.get("host_state_bytes", 0) + tier.get("window_bytes", 0)
         for _, g in self.live_groups():
-            h, t = g.memory()
+            h, t = g.memory(paged=bool(tier))
             held += h
             tight += t
         return held, tight

@@ -79,10 +79,9 @@ class Bucket:
 class StreamedGrads:
     """The gradient streaming of one optimizer's offloaded groups."""
 
-    def __init__(self, device: Device, *, free_gradients: bool, bucket_bytes: int, num_threads: int) -> None:
+    def __init__(self, device: Device, *, free_gradients: bool, num_threads: int) -> None:
         self.device = device
         self.free_gradients = free_gradients
-        self.bucket_bytes = bucket_bytes
         self.num_threads = num_threads
         self.recs: list[Rec] = []
         self.by_param: dict[int, Rec] = {}
@@ -99,23 +98,18 @@ class StreamedGrads:
         self._hook: Callable[[Tensor], None] = hook
 
     def add_group(self, gi: int, group: GroupState) -> None:
-        bucket: list[Rec] = []
-        size = 0
-        for i, p in enumerate(group.params):
-            nbytes = p.numel() * p.element_size()
-            r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), nbytes)
-            r.hook = p.register_post_accumulate_grad_hook(self._hook)
-            self.recs.append(r)
-            self.by_param[id(p)] = r
-            bucket.append(r)
-            size += nbytes
-            if size >= self.bucket_bytes:
-                self.buckets.append(Bucket(group, gi, bucket, size))
-                bucket, size = [], 0
-        if bucket:
-            self.buckets.append(Bucket(group, gi, bucket, size))
-        for b in self.buckets:
+        for rng in group.buckets:
+            recs = []
+            for i in rng:
+                p = group.params[i]
+                r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), p.numel() * p.element_size())
+                r.hook = p.register_post_accumulate_grad_hook(self._hook)
+                self.recs.append(r)
+                self.by_param[id(p)] = r
+                recs.append(r)
+            b = Bucket(group, gi, recs, sum(r.nbytes for r in recs))
             b.done.set()
+            self.buckets.append(b)
 
     def close(self) -> None:
         for r in self.recs:

@@ -9,7 +9,10 @@ are views into them, so ``state_dict()`` has torch's format), and one
 
 from __future__ import annotations
 
+import json
+import logging
 import math
+import os
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,15 +21,17 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from . import _native
+from . import _native, checkpoint
 from .engine import Engine, Hyper
-from .state import STATE_KEYS, GroupState
+from .nvme import NvmeTier
+from .state import STATE_KEYS, GroupState, HostTier
 
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16)
-_OFFLOAD_MODES = ("cpu",)
+_OFFLOAD_MODES = ("cpu", "nvme")
+log = logging.getLogger("offload_adam")
 
 
 def _to_scalar(x: Any) -> Any:
@@ -261,6 +266,9 @@ class Adam(Optimizer):
         free_gradients: bool = False,
         async_step: bool = False,
         bucket_mb: float = 32,
+        nvme_dir: str | None = None,
+        host_budget_gb: float = 0.0,
+        nvme_read_ahead: int = 2,
     ) -> None:
         _check_init(lr, betas, eps, weight_decay, foreach, capturable)
         if capturable:
@@ -284,6 +292,14 @@ class Adam(Optimizer):
             raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
         if not bucket_mb > 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+        if offload == "nvme" and nvme_dir is None:
+            raise ValueError('offload="nvme" needs nvme_dir: a directory on the SSD that holds the state')
+        if offload != "nvme" and nvme_dir is not None:
+            raise ValueError(f'nvme_dir is only used with offload="nvme", got offload={offload!r}')
+        if not (isinstance(host_budget_gb, (int, float)) and host_budget_gb >= 0):
+            raise ValueError(f"host_budget_gb must be a number >= 0, got {host_budget_gb!r}")
+        if isinstance(nvme_read_ahead, bool) or not isinstance(nvme_read_ahead, int) or nvme_read_ahead < 0:
+            raise ValueError(f"nvme_read_ahead must be an int >= 0, got {nvme_read_ahead!r}")
         _native.simd_path()  # raises now if OFFLOAD_ADAM_SIMD names a path this CPU lacks
         self._configure(
             num_threads=num_threads,
@@ -293,6 +309,9 @@ class Adam(Optimizer):
             free_gradients=bool(free_gradients),
             async_step=bool(async_step),
             bucket_bytes=int(bucket_mb * (1 << 20)),
+            nvme_dir=None if nvme_dir is None else str(nvme_dir),
+            host_budget_bytes=int(host_budget_gb * (1 << 30)),
+            nvme_read_ahead=nvme_read_ahead,
         )
         defaults = dict(
             lr=lr,
@@ -308,6 +327,15 @@ class Adam(Optimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults)
+        tier = self._engine.tier
+        if isinstance(tier, NvmeTier):
+            per_step = tier.bytes_per_step() // 2
+            log.info(
+                "offload_adam: %.3f GB of optimizer state on NVMe under %s (%.3f GB kept in RAM): "
+                "%.3f GB written per step, %.2f TB per 1000 steps; weigh it against the drive's rated endurance (TBW)",
+                tier.memory()["nvme_bytes"] / 1e9, tier.path, tier.memory()["host_state_bytes"] / 1e9,
+                per_step / 1e9, per_step * 1000 / 1e12,
+            )  # fmt: skip
 
     def _configure(self, **config: Any) -> None:
         self._config = config
@@ -320,6 +348,11 @@ class Adam(Optimizer):
             async_step=config["async_step"],
             free_gradients=config["free_gradients"],
             bucket_bytes=config["bucket_bytes"],
+            tier=(
+                NvmeTier(config["nvme_dir"], host_budget_bytes=config["host_budget_bytes"], read_ahead=config["nvme_read_ahead"])
+                if config["offload"] == "nvme"
+                else HostTier()
+            ),
         )
 
     @property  # type: ignore[override]
@@ -333,6 +366,12 @@ class Adam(Optimizer):
             dict.__setitem__(s, k, _Entry(v, owner=s) if type(v) is dict else v)
         s.dirty = bool(s)
         self.__dict__["_state"] = s
+
+    def close(self) -> None:
+        """Waits for a running step and releases what the optimizer holds outside the process's
+        memory: with ``offload="nvme"`` its files are removed (also done when the optimizer is
+        garbage-collected, and at interpreter exit). The optimizer cannot step afterwards."""
+        self._engine.close()
 
     def __del__(self) -> None:
         engine = self.__dict__.get("_engine")
@@ -487,15 +526,23 @@ class Adam(Optimizer):
         """Bytes the optimizer holds: ``host_bytes`` (all host buffers), ``host_tight_bytes``
         (4 B master + the moments + the gradient landing buffer per offloaded parameter, plus the
         moments and masters of CPU groups) and ``gpu_bytes`` (GPU memory the optimizer itself
-        keeps between steps)."""
+        keeps between steps). With ``offload="nvme"``: ``nvme_bytes`` (state on the SSD),
+        ``window_bytes`` (the most RAM its paging holds) and ``host_state_bytes`` (state kept in
+        RAM by ``host_budget_gb``); ``host_bytes`` then counts these two, not the paged state."""
         held, tight = self._engine.memory()
-        return {"host_bytes": held, "host_tight_bytes": tight, "gpu_bytes": 0}
+        out = {"host_bytes": held, "host_tight_bytes": tight, "gpu_bytes": 0}
+        tier = self._engine.tier.memory()
+        if tier:
+            out.update(tier)
+        return out
 
     @property
     def last_step_stats(self) -> dict[str, float]:
         """Host-side timing of the last offloaded step (seconds): ``d2h_wait_s`` (waiting for
         gradients to arrive), ``cpu_step_s`` (the kernel), ``h2d_issue_s`` (queueing the
-        weight copies), ``forward_wait_s`` (async mode: time forwards waited for weights)."""
+        weight copies), ``forward_wait_s`` (async mode: time forwards waited for weights). With
+        ``offload="nvme"`` (every step): ``read_bytes``, ``write_bytes`` and ``io_wait_s`` (time the
+        step waited for the disk), and ``cpu_step_s``."""
         return dict(self._engine.stats)
 
     # -- state written by others, and checkpoints -----------------------------------------------
@@ -627,18 +674,9 @@ class Adam(Optimizer):
         sd["state"] = out
         return sd
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads torch's format (from this class or from ``torch.optim.Adam``/``AdamW``) into the
-        host buffers, in their dtypes. Everything is checked first: on error nothing changes."""
-        self.synchronize()
-        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        for key in ("state", "param_groups"):
-            if key not in state_dict:
-                raise ValueError(f"loaded state dict has no {key!r} key")
-        saved_groups = state_dict["param_groups"]
+    def _merge_groups(self, saved_groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[Any, tuple[int, int]]]:
+        """The param groups a checkpoint's groups make (checked), and the (group, slot) of each
+        saved parameter id."""
         if len(saved_groups) != len(self.param_groups):
             raise ValueError("loaded state dict has a different number of parameter groups")
         where: dict[Any, tuple[int, int]] = {}
@@ -663,6 +701,20 @@ class Adam(Optimizer):
             if isinstance(new["betas"], list):
                 new["betas"] = tuple(new["betas"])  # a list from JSON/YAML or DCP's full state dict
             merged.append(new)
+        return merged, where
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads torch's format (from this class or from ``torch.optim.Adam``/``AdamW``) into the
+        host buffers, in their dtypes. Everything is checked first: on error nothing changes."""
+        self.synchronize()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        for key in ("state", "param_groups"):
+            if key not in state_dict:
+                raise ValueError(f"loaded state dict has no {key!r} key")
+        merged, where = self._merge_groups(state_dict["param_groups"])
         self._engine.synchronize()
         self._engine._materialize()
         plan: list[tuple[int, int, dict[str, Any], float]] = []
@@ -710,6 +762,142 @@ class Adam(Optimizer):
         self.state.dirty = False
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    # -- streaming checkpoints ------------------------------------------------------------------
+
+    def _ids(self) -> list[list[int]]:
+        """The ``state_dict()`` id of each parameter, by group."""
+        out, start = [], 0
+        for g in self.param_groups:
+            out.append(list(range(start, start + len(g["params"]))))
+            start += len(g["params"])
+        return out
+
+    def save_state(self, path: str) -> str:
+        """Writes the optimizer state to ``path/optimizer.safetensors`` (a directory, created if
+        needed), bucket by bucket: RAM stays within the tier's window, whatever the state's size.
+        The file is complete or absent: it is written under a temporary name, then renamed over
+        the previous one. Returns the file's path. See :mod:`offload_adam.checkpoint`."""
+        self.synchronize()
+        self._take_over()
+        os.makedirs(path, exist_ok=True)
+        eng = self._engine
+        ids = self._ids()
+        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": ids[gi]} for gi, g in enumerate(self.param_groups)]
+        layout: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
+        plan: list[tuple[GroupState, list[tuple[int, int, list[str]]]]] = []
+        complex_ids = []
+        for gi, g in eng.live_groups():
+            for rng in g.buckets:
+                items = []
+                for i in rng:
+                    p = g.params[i]
+                    if not dict.get(self.state, p):
+                        continue
+                    pid = ids[gi][i]
+                    views = g.views(i)
+                    keys = list(views)
+                    items.append((i, pid, keys))
+                    for key in keys:
+                        t = views[key]
+                        real = torch.view_as_real(t) if t.is_complex() else t
+                        layout.append((f"state.{pid}.{key}", real.dtype, tuple(real.shape)))
+                    if p.is_complex():
+                        complex_ids.append(pid)
+                if items:
+                    plan.append((g, items))
+        meta = {
+            "format": checkpoint.FORMAT,
+            "param_groups": json.dumps(checkpoint._jsonable(packed)),
+            "complex": json.dumps(complex_ids),
+        }
+        file = os.path.join(path, checkpoint.FILE)
+        w = checkpoint.Writer(file, layout, meta)
+        try:
+            for g, items in plan:
+                with eng.resident((g, [i for i, _, _ in items])):
+                    for i, pid, keys in items:
+                        views = g.views(i)
+                        for key in keys:
+                            w.write(f"state.{pid}.{key}", views[key])
+            eng.tier.end_step()
+            w.commit()
+        except BaseException:
+            w.abort()
+            raise
+        return file
+
+    def load_state(self, path: str) -> None:
+        """Loads a checkpoint written by :meth:`save_state` (into any tier: the state is read
+        bucket by bucket). Everything is checked first: on error nothing changes."""
+        self.synchronize()
+        r = checkpoint.Reader(os.path.join(path, checkpoint.FILE))
+        try:
+            self._load_state(r)
+        finally:
+            r.close()
+
+    def _load_state(self, r: checkpoint.Reader) -> None:
+        if r.metadata.get("format") != checkpoint.FORMAT:
+            raise ValueError(f"{r.path}: not an offload_adam optimizer checkpoint (format {r.metadata.get('format')!r})")
+        merged, where = self._merge_groups(json.loads(r.metadata["param_groups"]))
+        complex_ids = set(json.loads(r.metadata.get("complex", "[]")))
+        by_id: dict[int, dict[str, checkpoint.Entry]] = defaultdict(dict)
+        for name, e in r.entries.items():
+            parts = name.split(".", 2)
+            if len(parts) != 3 or parts[0] != "state" or not parts[1].isdigit():
+                raise ValueError(f"{r.path}: unexpected tensor {name!r}")
+            by_id[int(parts[1])][parts[2]] = e
+        eng = self._engine
+        eng.synchronize()
+        eng._materialize()
+        steps: dict[int, float] = {}
+        for pid, entries in by_id.items():
+            if pid not in where:
+                raise ValueError(f"{r.path}: state for parameter {pid}, which no group lists")
+            gi, i = where[pid]
+            if "step" not in entries:
+                raise ValueError(f"{r.path}: parameter {pid} has no step")
+            meta: dict[str, Any] = {"step": r.read(f"state.{pid}.step")}
+            for key, e in entries.items():
+                if key != "step":
+                    t = torch.empty(e.shape, dtype=e.dtype, device="meta")
+                    meta[key] = torch.view_as_complex(t) if pid in complex_ids else t
+            steps[pid] = self._check_entry(gi, i, meta, bool(merged[gi]["amsgrad"]))
+        # Checked: apply, bucket by bucket.
+        eng.quiesce()
+        for g, new in zip(self.param_groups, merged):
+            g.clear()
+            g.update(new)
+        live = eng.live_groups()
+        if any(merged[gi]["amsgrad"] and gs.max_exp_avg_sq is None for gi, gs in live):
+            with eng.resident():
+                for gi, gs in live:
+                    if merged[gi]["amsgrad"]:
+                        gs.ensure_amsgrad()
+        dict.clear(self.state)
+        ids = self._ids()
+        with torch.no_grad():
+            for gi, gs in live:
+                for rng in gs.buckets:
+                    with eng.resident((gs, rng)):
+                        for i in rng:
+                            pid = ids[gi][i]
+                            if pid not in by_id:
+                                views = gs.views(i)
+                                for key, v in views.items():
+                                    if key != "master_param" or not gs.streamed:
+                                        v.zero_()
+                                if gs.streamed:
+                                    eng.master_loaded(gi, i, from_checkpoint=False)
+                                continue
+                            entry: dict[str, Any] = {}
+                            for key in by_id[pid]:
+                                t = r.read(f"state.{pid}.{key}")
+                                entry[key] = torch.view_as_complex(t) if pid in complex_ids and key != "step" else t
+                            self._write_entry(gi, i, entry, steps[pid])
+        eng.tier.end_step()
+        self.state.dirty = False
 
     # -- copies ---------------------------------------------------------------------------------
 
@@ -788,6 +976,9 @@ class AdamW(Adam):
         free_gradients: bool = False,
         async_step: bool = False,
         bucket_mb: float = 32,
+        nvme_dir: str | None = None,
+        host_budget_gb: float = 0.0,
+        nvme_read_ahead: int = 2,
     ) -> None:
         super().__init__(
             params,
@@ -809,6 +1000,9 @@ class AdamW(Adam):
             free_gradients=free_gradients,
             async_step=async_step,
             bucket_mb=bucket_mb,
+            nvme_dir=nvme_dir,
+            host_budget_gb=host_budget_gb,
+            nvme_read_ahead=nvme_read_ahead,
         )
 
     def __setstate__(self, state: dict[str, Any]) -> None:

@@ -35,6 +35,7 @@ def _aligned(n: int) -> int:
 
 def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     """The slot of ``p`` in ``flat``, shaped (and strided) like ``p``."""
+    offset += int(flat.storage_offset())  # as_strided counts from the storage's start
     if p.is_complex():
         real = torch.as_strided(flat, (*p.shape, 2), (*(2 * s for s in p.stride()), 1), offset)
         return torch.view_as_complex(real)
@@ -59,6 +60,9 @@ class GroupState:
         state_dtype: torch.dtype,
         amsgrad: bool,
         device: Device | None,
+        bucket_bytes: int,
+        page_align: int = _ALIGN,
+        state_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
     ) -> None:
         self.params = list(params)
         self.names = names
@@ -71,19 +75,35 @@ class GroupState:
                 if not p.is_contiguous():
                     raise ValueError(f"{name}: an offloaded parameter must be contiguous")
         self.lens = [p.numel() * (2 if p.is_complex() else 1) for p in params]
+        # Buckets: consecutive parameters, up to `bucket_bytes` of gradient each. Offloaded
+        # gradients travel by bucket, and a tier pages state by bucket: each bucket's state
+        # starts on a multiple of `page_align` elements.
+        self.buckets: list[range] = []
+        first = size = 0
+        for i, p in enumerate(params):
+            size += p.numel() * p.element_size()
+            if size >= bucket_bytes or i == len(params) - 1:
+                self.buckets.append(range(first, i + 1))
+                first, size = i + 1, 0
+        starts = {b.start for b in self.buckets}
         self.offsets: list[int] = []
         total = 0
-        for n in self.lens:
+        for i, n in enumerate(self.lens):
+            if i in starts:
+                total = -(-total // page_align) * page_align
             self.offsets.append(total)
             total += _aligned(n)
+        self.total = -(-total // page_align) * page_align  # elements of each state buffer
         alloc: Callable[[int, torch.dtype], Tensor] = (
             device.host_buffer if device is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
         )
-        self.exp_avg = alloc(total, state_dtype)
-        self.exp_avg_sq = alloc(total, state_dtype)
-        self.max_exp_avg_sq = alloc(total, state_dtype) if amsgrad else None
+        self._state_alloc = state_alloc or alloc
+        total = self.total
+        self.exp_avg = self._state_alloc(total, state_dtype)
+        self.exp_avg_sq = self._state_alloc(total, state_dtype)
+        self.max_exp_avg_sq = self._state_alloc(total, state_dtype) if amsgrad else None
         lowp = any(p.dtype in LOW_PRECISION for p in params)
-        self.master = alloc(total, torch.float32) if self.streamed or lowp else None
+        self.master = self._state_alloc(total, torch.float32) if self.streamed or lowp else None
         self.steps = torch.zeros(len(params), dtype=torch.float32)
         self.landing: list[Tensor | None] = [None] * len(KINDS)
         self.landing_slots: list[tuple[int, int]] = []
@@ -131,7 +151,7 @@ class GroupState:
         ``exp_avg_sq`` is the best stand-in for the maximum so far. True if it was created."""
         if self.max_exp_avg_sq is not None:
             return False
-        buf = self.device.host_buffer(self.exp_avg_sq.numel(), self.exp_avg_sq.dtype) if self.device else torch.empty_like(self.exp_avg_sq)
+        buf = self._state_alloc(self.exp_avg_sq.numel(), self.exp_avg_sq.dtype)
         buf.copy_(self.exp_avg_sq)
         self.native.set_max_exp_avg_sq(buf)
         self.max_exp_avg_sq = buf
@@ -171,10 +191,16 @@ class GroupState:
         bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.steps, *self.landing]
         return [t for t in bufs if t is not None]
 
-    def memory(self) -> tuple[int, int]:
+    def memory(self, paged: bool = False) -> tuple[int, int]:
         """(host bytes held, tight bytes: for an offloaded parameter 4 B master + the moments +
-        its gradient's landing slot; for a CPU group everything it holds)."""
-        held = sum(t.untyped_storage().nbytes() for t in self.buffers())
+        its gradient's landing slot; for a CPU group everything it holds). ``paged``: the state
+        buffers are paged by the tier, which reports them; only the rest is counted."""
+        bufs = self.buffers()
+        if paged:
+            state = {id(t) for t in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master)}
+            held = sum(t.untyped_storage().nbytes() for t in bufs if id(t) not in state)
+            return held, held
+        held = sum(t.untyped_storage().nbytes() for t in bufs)
         if not self.streamed:
             return held, held
         moments = 2 + (self.max_exp_avg_sq is not None)
@@ -197,8 +223,23 @@ class Tier(Protocol):
     that memory."""
 
     stable_views: bool  # whether the views of state[p] stay valid between steps
+    page_align: int  # elements: where each bucket's state starts in the buffers
+    batch_bytes: int  # gradient bytes of offloaded buckets stepped in one native call
+    state_alloc: Callable[[int, torch.dtype], Tensor] | None  # allocates the state buffers
 
     def attach(self, group: GroupState) -> None: ...
+
+    def chunks(self, group: GroupState) -> list[range] | None:
+        """The slots of a CPU group's native calls, in order (None: one call for all)."""
+        ...
+
+    def end_step(self) -> None:
+        """After every bucket of a step (writes back, raises a deferred I/O error)."""
+        ...
+
+    def memory(self) -> dict[str, int]: ...
+
+    def close(self) -> None: ...
 
     def make_resident(self, group: GroupState, slots: Sequence[int]) -> None: ...
 
@@ -209,6 +250,21 @@ class HostTier:
     """State in host memory: always resident, nothing to page."""
 
     stable_views = True
+    page_align = _ALIGN
+    batch_bytes = 256 << 20
+    state_alloc: Callable[[int, torch.dtype], Tensor] | None = None
+
+    def chunks(self, group: GroupState) -> list[range] | None:
+        return None
+
+    def end_step(self) -> None:
+        pass
+
+    def memory(self) -> dict[str, int]:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def attach(self, group: GroupState) -> None:
         pass

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::error::Error;
@@ -16,6 +16,7 @@ pub fn err(e: Error) -> PyErr {
         Error::Value(m) => PyValueError::new_err(m),
         Error::Type(m) => PyTypeError::new_err(m),
         Error::Runtime(m) => PyRuntimeError::new_err(m),
+        Error::Io(errno, m) => PyOSError::new_err((errno, m)),
     }
 }
 

@@ -2,11 +2,13 @@
 //!
 //! `dlpack` imports torch tensors and is the one place where their memory becomes Rust slices;
 //! `convert` maps core errors, SIMD names, thread counts and hyper-parameters; `state_set` is
-//! the host state of a param group and the step; `functions` the module-level functions.
+//! the host state of a param group and the step; `functions` the module-level functions; `io`
+//! the NVMe tier's I/O engine.
 
 mod convert;
 mod dlpack;
 mod functions;
+mod io;
 mod state_set;
 
 use pyo3::prelude::*;
@@ -21,6 +23,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(functions::grads_nonfinite, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_path, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_paths, m)?)?;
+    m.add_class::<io::IoEngine>()?;
+    m.add_class::<io::IoTicket>()?;
+    m.add_function(wrap_pyfunction!(io::crc32c, m)?)?;
+    m.add_function(wrap_pyfunction!(io::io_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(io::discard_memory, m)?)?;
     m.add("CHUNK", crate::kernel::CHUNK)?;
     m.add("LANES", crate::isa::LANES)?;
     Ok(())

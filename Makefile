@@ -1,5 +1,6 @@
 # The two set-up-and-run commands of the README:
 #   make demo   creates .venv, builds and installs offload_adam (release), runs the main job
+#               (DEMO_ARGS="--offload nvme --nvme-dir DIR" puts its optimizer state on an SSD)
 #   make test   same set-up, then cargo test and pytest
 PYTHON ?= python3
 VENV   ?= .venv
@@ -21,7 +22,7 @@ install: $(DEPS)
 	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --quiet
 
 demo: install
-	$(BIN)/python examples/train_gpt.py
+	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
 
 test: install
 	cargo test --quiet

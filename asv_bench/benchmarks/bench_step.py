@@ -108,6 +108,45 @@ class OffloadedStep:
         return self.opt.last_step_stats["cpu_step_s"]
 
 
+class NvmeStep:
+    """The NVMe tier (state in files under a temporary directory of the default temp dir, i.e.
+    this machine's disk), fp32 and bf16 moments on 8 tensors; ``track_raw_share`` is the step's
+    bytes moved per second over the disk's raw O_DIRECT bandwidth measured in setup."""
+
+    params = ([16_000_000], ["float32", "bfloat16"])
+    param_names = ["numel", "state_dtype"]
+    timeout = 300
+
+    def setup(self, numel: int, state_dtype: str) -> None:
+        import tempfile
+
+        from offload_adam.nvme_bench import raw_bandwidth
+
+        self.dir = tempfile.TemporaryDirectory(prefix="offload-adam-asv-")
+        self.raw = raw_bandwidth(self.dir.name, 256 << 20, rounds=1)
+        self.opt = offload_adam.AdamW(
+            _params(numel, torch.float32), lr=1e-4, offload="nvme", nvme_dir=self.dir.name,
+            state_dtype=DTYPES[state_dtype], bucket_mb=8,
+        )  # fmt: skip
+        self.opt.step()
+
+    def teardown(self, numel: int, state_dtype: str) -> None:
+        self.opt.close()
+        self.dir.cleanup()
+
+    def time_step(self, numel: int, state_dtype: str) -> None:
+        self.opt.step()
+
+    def track_raw_share(self, numel: int, state_dtype: str) -> float:
+        import time
+
+        t0 = time.perf_counter()
+        self.opt.step()
+        dt = time.perf_counter() - t0
+        s = self.opt.last_step_stats
+        return (s["read_bytes"] / self.raw["read_Bps"] + s["write_bytes"] / self.raw["write_Bps"]) / dt
+
+
 class Kernel:
     """The bare kernel (``_native.adam_update``) on one flat buffer, per SIMD path."""
 

@@ -38,13 +38,13 @@ def raw_bandwidth(directory: str, nbytes: int, rounds: int = 3, request: int = 8
     try:
         eng = _native.IoEngine(depth=64)
         f = eng.open(os.path.join(d, "raw.bin"), nbytes)
-        buf = aligned_empty(64 << 20, torch.uint8)
-        buf.fill_(7)
-        slots = (64 << 20) // request
+        buf = aligned_empty(16 << 20, torch.float32)  # 64 MiB, reused by the requests in turn
+        buf.fill_(7.0)
+        slots, el = (64 << 20) // request, request // 4
         w, r = [], []
         for _ in range(rounds):
             for write, out in ((True, w), (False, r)):
-                reqs = [(write, f, buf[(k % slots) * request : (k % slots + 1) * request], k * request) for k in range(nbytes // request)]
+                reqs = [(write, f, buf[(k % slots) * el : (k % slots + 1) * el], k * request) for k in range(nbytes // request)]
                 t0 = time.perf_counter()
                 eng.submit(reqs).wait()
                 if write:
@@ -67,7 +67,7 @@ def run(nvme_dir: str, *, params: float, rounds: int, threads: int, raw_gb: floa
     n = int(params)
     shapes = [(n // 16,)] * 16
     state_bytes = n * 8
-    half_gb = state_bytes / 2 / (1 << 30)
+    half_gb = state_bytes / 2 * 1.01 / (1 << 30)  # half, and the pages' alignment
     cases: list[tuple[str, dict[str, Any]]] = [
         ("RAM tier", {}),
         ("NVMe", {"offload": "nvme", "nvme_dir": nvme_dir}),
@@ -79,7 +79,7 @@ def run(nvme_dir: str, *, params: float, rounds: int, threads: int, raw_gb: floa
     for name, kw in cases:
         ps = [torch.nn.Parameter(torch.randn(s, generator=g)) for s in shapes]
         for p in ps:
-            p.grad = torch.randn(s, generator=g) * 1e-2
+            p.grad = torch.randn(p.shape, generator=g) * 1e-2
         opt = AdamW(ps, lr=1e-4, num_threads=threads, **kw)
         opt.step()  # first step: state created, files written once
         models.append((name, opt, ps))

@@ -41,7 +41,8 @@ def raw_bandwidth(directory: str, nbytes: int, rounds: int = 3, request: int = 8
         buf = aligned_empty(16 << 20, torch.float32)  # 64 MiB, reused by the requests in turn
         buf.fill_(7.0)
         slots, el = (64 << 20) // request, request // 4
-        w, r = [], []
+        w: list[float] = []
+        r: list[float] = []
         for _ in range(rounds):
             for write, out in ((True, w), (False, r)):
                 reqs = [(write, f, buf[(k % slots) * el : (k % slots + 1) * el], k * request) for k in range(nbytes // request)]

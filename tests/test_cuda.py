@@ -137,3 +137,22 @@ def test_cuda_a_model_on_a_second_gpu_creates_no_context_on_the_first() -> None:
     opt.step()
     opt.synchronize()
     assert torch.cuda.memory_reserved(0) == 0
+
+
+@pytest.mark.parametrize("mode", [{}, {"async_step": True}, {"free_gradients": True}])
+def test_cuda_nvme_tier_bitwise_equal_to_ram_tier(mode: dict[str, Any], tmp_path: Any) -> None:
+    outs = []
+    for extra in ({"offload": "nvme", "nvme_dir": str(tmp_path)}, {}):
+        torch.manual_seed(0)
+        m = Net().cuda()
+        opt = AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.25, **extra, **mode)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for _ in range(15):
+            x = torch.randint(0, 97, (8, 32), device="cuda", generator=g)
+            torch.nn.functional.cross_entropy(m(x).float().flatten(0, 1), x.flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        outs.append([p.detach().cpu() for p in m.parameters()])
+        opt.close()
+    assert all(torch.equal(a, b) for a, b in zip(*outs))

@@ -231,18 +231,46 @@ def test_cuda_parameters_are_offloaded_and_bad_ones_refused() -> None:
     assert torch.equal(p.detach(), w)
 
 
+class _Wrapper(torch.Tensor):
+    """A wrapper tensor subclass: no memory of its own behind its data pointer."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor) -> Any:
+        return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+    def __init__(self, elem: torch.Tensor) -> None:
+        self.elem = elem
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = lambda t: t.elem if isinstance(t, _Wrapper) else t  # noqa: E731
+        return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
+
+
 def test_tensor_subclasses_without_memory_of_their_own_are_refused_at_construction(tmp_path: Any) -> None:
-    """A DTensor parameter (FSDP2) has no local memory behind its data pointer: refused with a
-    message naming it, before anything could read through a null pointer."""
+    """A wrapper subclass has no memory of its own: refused with a message naming it, before
+    anything could read through its pointer. A DTensor is stepped through its local shard; a
+    DTensor parameter given a plain-tensor gradient is refused at the step, nothing changed."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate, init_device_mesh
 
+    with pytest.raises(TypeError, match="_Wrapper is not supported.*DTensors"):
+        AdamW([_Wrapper(torch.randn(3))])
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         p = torch.nn.Parameter(DTensor.from_local(torch.randn(4, 3), mesh, [Replicate()]))
-        with pytest.raises(TypeError, match="DTensor is not supported.*local shards"):
-            AdamW([p])
+        opt = AdamW([p])
+        p.grad = torch.ones(4, 3)  # a plain tensor: not the DTensor's
+        before = p.detach().to_local().clone()
+        with pytest.raises(TypeError, match="gradient of a DTensor parameter must be a DTensor"):
+            opt.step()
+        with pytest.raises(TypeError, match="gradient of a DTensor parameter must be a DTensor"):
+            opt.clip_grad_norm_(1.0)
+        assert torch.equal(p.detach().to_local(), before) and not opt.state
+        p.grad = DTensor.from_local(torch.ones(4, 3), mesh, [Replicate()])
+        opt.step()
+        assert float(opt.state[p]["step"]) == 1 and isinstance(opt.state[p]["exp_avg"], DTensor)
         # A parameter subclass with memory of its own (FSDP1's FlatParameter, say) is accepted.
         class Mine(torch.nn.Parameter):
             pass

@@ -167,29 +167,192 @@ def test_zero_redundancy_optimizer_trains_and_resumes_exactly(kw: dict[str, Any]
 
 def _dtensor_worker(rank: int, world: int) -> list[str]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor import DTensor, Shard
 
     from offload_adam import AdamW, _native
 
     mesh = init_device_mesh("cpu", (world,))
-    p = torch.nn.Parameter(DTensor.from_local(torch.randn(4), mesh, [Replicate()]))
+    p = torch.nn.Parameter(DTensor.from_local(torch.randn(4), mesh, [Shard(0)]))
+    opt = AdamW([p])
     out = []
-    try:
-        AdamW([p])
-        out.append("accepted")
-    except TypeError as e:
-        out.append(str(e))
-    # The kernel's own entry points refuse a DTensor as well (its export has no host pointer).
+    # The cases that crashed the process: a DTensor parameter with a plain-tensor gradient in
+    # step(), and clip_grad_norm_ over such gradients. Both are refused, nothing changed.
+    p.grad = torch.ones(4 * world)  # the global shape: torch allows it
+    for call in (opt.step, lambda: opt.clip_grad_norm_(1.0)):
+        try:
+            call()
+            out.append("accepted")
+        except TypeError as e:
+            out.append(str(e))
+    # The kernel's own entry points refuse a DTensor (its export has no host pointer).
     for call in (lambda: _native.grad_sq_norm([p.detach()]), lambda: _native.grads_nonfinite([p.detach()])):
         try:
             call()
             out.append("accepted")
         except (TypeError, ValueError, RuntimeError) as e:
             out.append(type(e).__name__)
+    out.append("stepped" if opt.state else "untouched")
     return out
 
 
-def test_dtensors_never_reach_the_kernel() -> None:
+def test_dtensors_never_reach_the_kernel_unchecked() -> None:
     msgs = spawn(_dtensor_worker)[0]
-    assert "DTensor is not supported" in msgs[0] and "local shards" in msgs[0]
     assert "accepted" not in msgs
+    assert all("must be a DTensor with its mesh and placements" in m for m in msgs[:2])
+    assert msgs[-1] == "untouched"
+
+
+# -- FSDP2 ----------------------------------------------------------------------------------------
+
+
+def _fsdp_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    # Linear(16, 3): shards of 2 and 1 rows; Linear(3, 1): shards of 1 and 0 rows (an empty one).
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
+    ).to(dtype)
+
+
+def _shard(m: torch.nn.Module) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in m:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(m)
+    return m
+
+
+def _fsdp_batches(steps: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randn(4, 8, generator=g) for _ in range(steps)]
+
+
+def _fsdp_train(m: torch.nn.Module, opt: Any, batches: list[torch.Tensor], rank: int, world: int, clip: str, sched: Any = None) -> list[float]:
+    norms = []
+    dt = next(m.parameters()).dtype
+    for x in batches:
+        x = x.to(dt)
+        xs = x[rank::world] if world > 1 else x
+        if world > 1:
+            loss = m(xs).float().square().mean()
+        else:  # one rank doing what two did: the mean of their mean losses
+            loss = sum(m(x[r::2]).float().square().mean() for r in range(2)) / 2
+        loss.backward()
+        if clip == "ours":
+            norms.append(float(opt.clip_grad_norm_(0.5)))
+        elif clip == "torch":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)))
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    return norms
+
+
+def _fsdp_worker(rank: int, world: int, ours: bool, kw: dict[str, Any], clip: str, dtype: torch.dtype) -> Any:
+    import offload_adam
+
+    m = _shard(_fsdp_model(dtype))
+    cls = offload_adam.AdamW if ours else torch.optim.AdamW
+    opt = cls(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.5)
+    norms = _fsdp_train(m, opt, _fsdp_batches(12), rank, world, clip, sched)
+    sd = opt.state_dict()
+    kinds = sorted({f"{k}:{type(v).__name__}" for e in sd["state"].values() for k, v in e.items()})
+    full = {k: v.full_tensor() for k, v in sd["state"][2].items() if k != "step"}  # Linear(16, 3).weight
+    return [p.full_tensor().float() for p in m.parameters()], norms, kinds, full
+
+
+@pytest.mark.parametrize(
+    "kw, clip, dtype",
+    [({}, "ours", torch.float32), ({"amsgrad": True}, "torch", torch.float32), ({}, "none", torch.bfloat16)],
+    ids=["clip-ours", "amsgrad-clip-torch", "bf16-params"],
+)
+def test_fsdp2_matches_torch_adamw_on_the_same_shards(kw: dict[str, Any], clip: str, dtype: torch.dtype) -> None:
+    ref = spawn(_fsdp_worker, False, kw, "torch" if clip != "none" else "none", dtype)
+    out = spawn(_fsdp_worker, True, kw, clip, dtype)
+    (wa, na, kinds, full), (wb, nb, _, _) = out
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "the ranks' weights differ"
+    assert "exp_avg:DTensor" in kinds and "step:Tensor" in kinds  # as torch's AdamW keeps them
+    if dtype == torch.bfloat16:
+        assert "master_param:DTensor" in kinds  # fp32 masters of the bf16 shards
+        tol = 1e-2  # torch steps bf16 weights directly; ours keeps fp32 masters
+    else:
+        tol = 1e-5
+        for k, v in ref[0][3].items():
+            torch.testing.assert_close(full[k], v, rtol=1e-4, atol=1e-6)
+    for x, r in zip(wa, ref[0][0]):
+        torch.testing.assert_close(x, r, rtol=0, atol=tol)
+    if clip != "none":
+        assert na == nb
+        for x, r in zip(na, ref[0][1]):
+            assert abs(x - r) <= 1e-5 * max(1.0, r)
+
+
+def _dcp_worker(rank: int, world: int, phase: str, ckpt: str, how: dict[str, Any]) -> Any:
+    """phase "save": 6 steps, a DCP checkpoint of model and optimizer, 6 more steps; "load": a
+    fresh model and optimizer loaded from it, 6 steps. Returns the final full weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    import offload_adam
+
+    m = _shard(_fsdp_model())
+    opt = offload_adam.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
+    batches = _fsdp_batches(12)
+    full = bool(how.get("full"))
+    if phase == "save":
+        _fsdp_train(m, opt, batches[:6], rank, world, "none")
+        if full:
+            opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            osd = get_optimizer_state_dict(m, opt, options=opts)
+            msd = get_model_state_dict(m, options=opts)
+            if rank == 0:
+                torch.save({"model": msd, "optim": osd}, ckpt + ".pt")
+        else:
+            dcp.save({"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}, checkpoint_id=ckpt)
+        _fsdp_train(m, opt, batches[6:], rank, world, "none")
+    else:
+        if full:
+            opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            sd = torch.load(ckpt + ".pt", weights_only=False) if rank == 0 else {"model": {}, "optim": {}}
+            set_model_state_dict(m, sd["model"], options=opts)
+            set_optimizer_state_dict(m, opt, sd["optim"], options=opts)
+        else:
+            sd = {"model": get_model_state_dict(m), "optim": get_optimizer_state_dict(m, opt)}
+            dcp.load(sd, checkpoint_id=ckpt)
+            set_model_state_dict(m, sd["model"])
+            set_optimizer_state_dict(m, opt, sd["optim"])
+        _fsdp_train(m, opt, batches[6:], rank, world, "none")
+    return [p.full_tensor() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("how", [{}, {"full": True}], ids=["sharded", "full-cpu_offload-broadcast"])
+def test_fsdp2_distributed_checkpoint_resumes_exactly(tmp_path: Any, how: dict[str, Any]) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    straight = spawn(_dcp_worker, "save", ckpt, how)[0]
+    resumed = spawn(_dcp_worker, "load", ckpt, how)[0]
+    for a, b in zip(straight, resumed):
+        assert torch.equal(a, b)
+
+
+def test_fsdp2_checkpoint_of_2_ranks_loads_into_1_and_back(tmp_path: Any) -> None:
+    """DCP reshards: saved by 2 ranks, loaded by 1 (and a 1-rank checkpoint by 2), training
+    continues on the same trajectory."""
+    two = str(tmp_path / "two")
+    straight = spawn(_dcp_worker, "save", two, {})[0]
+    one = spawn(_dcp_worker, "load", two, {}, world=1)[0]
+    for a, b in zip(straight, one):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    single = str(tmp_path / "one")
+    spawn(_dcp_worker, "save", single, {}, world=1)
+    back = spawn(_dcp_worker, "load", single, {})[0]
+    for a, b in zip(straight, back):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)

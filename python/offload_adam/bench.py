@@ -177,12 +177,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme", metavar="DIR", help="instead: the NVMe tier with its state under DIR (see nvme_bench)")
     ap.add_argument("--nvme-params", type=float, default=100e6, help="parameters of the --nvme model (default 100M)")
     ap.add_argument("--raw-gb", type=float, default=2.0, help="GiB of the --nvme raw-bandwidth file (default 2)")
+    ap.add_argument("--fsdp2", action="store_true", help="instead: the step on FSDP2 local shards (see fsdp_bench)")
+    ap.add_argument("--world", type=int, default=2, help="--fsdp2: processes (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(
         f"offload_adam bench: torch {torch.__version__}, {args.threads} threads, SIMD path {_native.simd_path()}, "
         f"I/O backend {_native.io_backend()}, python {sys.version.split()[0]}"
     )
+    if args.fsdp2:
+        from . import fsdp_bench
+
+        per_rank = max(1, args.threads // args.world)
+        res = fsdp_bench.run(world=args.world, rounds=args.rounds, threads=per_rank, scale=args.scale)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
     if args.nvme:
         from . import nvme_bench
 

@@ -66,6 +66,44 @@ class _ReadRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _is_dtensor(p: Tensor) -> bool:
+    return type(p).__name__ == "DTensor" and hasattr(p, "_local_tensor")
+
+
+def _check_local(loc: Any, name: str) -> None:
+    if not isinstance(loc, Tensor) or type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+        raise TypeError(f"{name}: the DTensor's local shard is a {type(loc).__name__}, not a plain tensor")
+
+
+def _check_shard_grad(k: Tensor, grad: Tensor, name: str) -> None:
+    """A DTensor parameter's gradient must be a DTensor of its mesh and placements: its local
+    shard is what the kernel reads in place of the parameter's gradient."""
+    if type(grad) is not type(k) or grad.placements != k.placements or grad.device_mesh != k.device_mesh:  # type: ignore[attr-defined]
+        raise TypeError(
+            f"{name}: the gradient of a DTensor parameter must be a DTensor with its mesh and placements, "
+            f"got {type(grad).__name__}" + (f" with placements {grad.placements}" if hasattr(grad, "placements") else "")
+        )
+
+
+def _local_shards(params: list[Tensor], names: list[str]) -> tuple[list[Tensor], list[Tensor] | None]:
+    """The tensors the kernel steps: a DTensor parameter's local shard (FSDP2 keeps its shard of
+    every parameter as one), others themselves; and the parameters as given (None if no
+    DTensor is among them)."""
+    if not any(_is_dtensor(p) for p in params):
+        return params, None
+    out = []
+    for p, name in zip(params, names):
+        if _is_dtensor(p):
+            if any(pl.is_partial() for pl in p.placements):  # type: ignore[attr-defined]
+                raise ValueError(f"{name}: a DTensor with a Partial placement has no values of its own to update")
+            loc = p._local_tensor  # type: ignore[attr-defined]
+            _check_local(loc, name)
+            out.append(loc)
+        else:
+            out.append(p)
+    return out, list(params)
+
+
 class Engine:
     """Steps the param groups of one optimizer (see the module documentation)."""
 
@@ -134,6 +172,12 @@ class Engine:
                 f"param group {gi} mixes devices {sorted(map(str, devices))}: put CPU and CUDA parameters in separate groups"
             )
         dev = next(iter(devices), torch.device("cpu"))
+        local, keys = _local_shards(params, names)
+        if keys is not None and (dev.type != "cpu" or testing.force_streaming()):
+            raise NotImplementedError(
+                f"param group {gi}: DTensor (FSDP2) parameters on {dev} are not supported yet: use "
+                "fully_shard(..., offload_policy=CPUOffloadPolicy()), whose local shards live on the CPU"
+            )
         if dev.type == "meta":
             # Built at the first step, once the parameters have storage (`to_empty()`).
             self.groups.append(None)
@@ -141,8 +185,8 @@ class Engine:
             return
         device = self._device_for(dev, gi)
         group = GroupState(
-            params, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device, bucket_bytes=self.bucket_bytes,
-            page_align=self.tier.page_align, state_alloc=self.tier.state_alloc,
+            local, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device, bucket_bytes=self.bucket_bytes,
+            page_align=self.tier.page_align, state_alloc=self.tier.state_alloc, keys=keys,
         )  # fmt: skip
         if device is None:
             group.native.check_disjoint([g.native for g in self.groups if g is not None and not g.streamed])
@@ -207,7 +251,12 @@ class Engine:
                 scale /= float(grad_scale)
             grad_scale = found_inf = None
         if direct:
-            first += self._step_direct(direct, hypers, scale)
+            bound = self._bind_shards()
+            try:
+                first += self._step_direct(direct, hypers, scale)
+            finally:
+                for t in bound:
+                    t.grad = None
         if self.streamed is not None:
             first += self._step_streamed(hypers, scale, grad_scale, found_inf)
         return first
@@ -257,6 +306,36 @@ class Engine:
                 raise
             self.stats = {"cpu_step_s": t_kernel, **self._io_stats(before)}
         return first
+
+    def _bind_shards(self) -> list[Tensor]:
+        """DTensor (FSDP2) parameters: the kernel steps their local shards, reading the local
+        shard of their DTensor gradient. Follows a local tensor object FSDP2 replaced. Returns
+        the local tensors whose ``.grad`` was set (cleared by the caller after the step)."""
+        bound: list[Tensor] = []
+        try:
+            for _, g in self.live_groups():
+                if not any(g.dtensor):
+                    continue
+                for i, k in enumerate(g.keys):
+                    if not g.dtensor[i]:
+                        continue
+                    loc = k._local_tensor  # type: ignore[attr-defined]
+                    if loc is not g.params[i]:
+                        _check_local(loc, g.names[i])
+                        g.params[i] = loc
+                        g.native.replace_param(i, loc)
+                    grad = k.grad
+                    if grad is not None:
+                        _check_shard_grad(k, grad, g.names[i])
+                        loc.grad = grad._local_tensor  # type: ignore[attr-defined]
+                    else:
+                        loc.grad = None
+                    bound.append(loc)
+        except BaseException:
+            for t in bound:
+                t.grad = None
+            raise
+        return bound
 
     def _io_stats(self, before: dict[str, float] | None = None) -> dict[str, float]:
         """The tier's I/O counters (bytes read and written, seconds waited for I/O), or their
@@ -512,11 +591,25 @@ class Engine:
 
     def grad_sq_norm(self) -> float:
         """Squared 2-norm of this step's gradients: CPU groups' ``.grad``, offloaded groups' host
-        copies."""
+        copies; DTensor (FSDP2) gradients by their local shards, summed over the mesh."""
         views: list[Tensor] = []
+        sharded: list[Tensor] = []
+        mesh = None
         for _, g in self.live_groups():
             if not g.streamed:
-                views += [p.grad for p in g.params if p.grad is not None]
+                views += [p.grad for p, d in zip(g.params, g.dtensor) if not d and p.grad is not None]
+            for k, d, name in zip(g.keys, g.dtensor, g.names):
+                if not d or k.grad is None:
+                    continue
+                grad = k.grad
+                _check_shard_grad(k, grad, name)
+                if any(pl.is_shard() for pl in k.placements):  # type: ignore[attr-defined]
+                    if k.device_mesh.ndim != 1 or (mesh is not None and k.device_mesh != mesh):  # type: ignore[attr-defined]
+                        raise NotImplementedError(f"{name}: clip_grad_norm_ over DTensors supports one 1-D mesh")
+                    mesh = k.device_mesh  # type: ignore[attr-defined]
+                    sharded.append(grad._local_tensor)  # type: ignore[attr-defined]
+                else:  # replicated: every rank holds it whole, counted once
+                    views.append(grad._local_tensor)  # type: ignore[attr-defined]
         if self.streamed is not None:
             self.synchronize()
             self.streamed.check_params()
@@ -524,7 +617,14 @@ class Engine:
             self.streamed.wait_all()
             views += self.streamed.grad_views()
         flat = [v.view(torch.float32) if v.is_complex() else v for v in views]
-        return _native.grad_sq_norm(flat, num_threads=self.num_threads)
+        total = _native.grad_sq_norm(flat, num_threads=self.num_threads)
+        if mesh is not None:
+            import torch.distributed as dist
+
+            part = torch.tensor([_native.grad_sq_norm(sharded, num_threads=self.num_threads)], dtype=torch.float64)
+            dist.all_reduce(part, group=mesh.get_group())
+            total += float(part)
+        return total
 
     # -- forward waits (async mode) -------------------------------------------------------------
 

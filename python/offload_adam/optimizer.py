@@ -190,7 +190,7 @@ def _unaliased(entry: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str
     replaced by a copy, so that writing the buffers cannot change the source."""
 
     def aliases(t: Tensor) -> bool:
-        st = t.untyped_storage()
+        st = _local(t).untyped_storage()
         lo, hi = st.data_ptr(), st.data_ptr() + st.nbytes()
         return hi > lo and any(a < hi and lo < b for a, b in ranges)
 
@@ -419,11 +419,12 @@ class Adam(Optimizer):
                 group["param_names"] = [names[id(p)] for p in unique]
         for i, p in enumerate(group["params"]):
             name = self._name(group, gi, i)
-            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__:
-                # A wrapper subclass (DTensor, ...) has no memory of its own to update in place.
+            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__ and type(p).__name__ != "DTensor":
+                # A wrapper subclass has no memory of its own to update in place; a DTensor
+                # (FSDP2) is stepped through its local shard.
                 raise TypeError(
                     f"{name}: a {type(p).__name__} is not supported: it has no memory of its own to update "
-                    "in place; pass plain tensors (for an FSDP2 model, its DTensors' local shards)"
+                    "in place; pass plain tensors, or DTensors (FSDP2) whose local shards are plain tensors"
                 )
             if p.layout != torch.strided:
                 raise TypeError(f"{name}: layout {p.layout} is not supported, only dense (strided) tensors")
@@ -466,17 +467,17 @@ class Adam(Optimizer):
             with self._engine.resident():
                 for gi, state in needs_max:
                     state.ensure_amsgrad()
-                    for i, p in enumerate(state.params):
+                    for i, p in enumerate(state.keys):
                         entry = dict.get(self.state, p)
                         if entry:
-                            dict.__setitem__(entry, "max_exp_avg_sq", state.views(i)["max_exp_avg_sq"])
+                            dict.__setitem__(entry, "max_exp_avg_sq", state.entry(i)["max_exp_avg_sq"])
         gs = grad_scale if isinstance(grad_scale, Tensor) or grad_scale is None else torch.tensor(float(grad_scale))
         first = self._engine.step(hypers, scale=self._clip_coef, grad_scale=gs, found_inf=found_inf)
         self._clip_coef = 1.0
         for gi, i in first:
             new = self._engine.groups[gi]
             assert new is not None
-            self.state.install(new.params[i], new.views(i))
+            self.state.install(new.keys[i], new.entry(i))
         if not self._config["async_step"]:
             self._drop_unstepped()
         return loss
@@ -485,7 +486,7 @@ class Adam(Optimizer):
         for gi, i in self._engine.unstepped():
             g = self._engine.groups[gi]
             assert g is not None
-            dict.pop(self.state, g.params[i], None)
+            dict.pop(self.state, g.keys[i], None)
 
     def synchronize(self) -> None:
         """Waits until an ``async_step=True`` step has updated every weight (a no-op otherwise),
@@ -556,7 +557,7 @@ class Adam(Optimizer):
         return out
 
     def _slot_of(self) -> dict[int, tuple[int, int]]:
-        return {id(p): (gi, i) for gi, g in self._engine.live_groups() for i, p in enumerate(g.params)}
+        return {id(p): (gi, i) for gi, g in self._engine.live_groups() for i, p in enumerate(g.keys)}
 
     def _check_entry(self, gi: int, i: int, v: Any, amsgrad: bool) -> float:
         """Checks a state entry for parameter ``i`` of group ``gi`` (from a checkpoint, or written
@@ -576,6 +577,7 @@ class Adam(Optimizer):
                 continue
             if not isinstance(t, Tensor):
                 raise TypeError(f"loaded state of {name}: {key} must be a tensor, got {type(t).__name__}")
+            t = _local(t, g.keys[i], f"loaded state of {name}: {key}")
             if t.shape != p.shape:
                 raise ValueError(f"loaded state of {name}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
             if not (t.is_floating_point() or t.is_complex()) or t.is_complex() != p.is_complex():
@@ -600,7 +602,7 @@ class Adam(Optimizer):
                 continue
             src = v.get(key)
             if src is not None:
-                views[key].copy_(src)
+                views[key].copy_(_local(src, g.keys[i], key))
             elif key == "master_param":
                 views[key].copy_(p)
             elif key == "max_exp_avg_sq":
@@ -608,7 +610,7 @@ class Adam(Optimizer):
         if g.streamed:
             self._engine.master_loaded(gi, i, from_checkpoint=v.get("master_param") is not None)
         extra = {k: x for k, x in v.items() if k not in views and k not in STATE_KEYS}
-        self.state.install(p, {**views, **extra})
+        self.state.install(g.keys[i], {**g.entry(i), **extra})
 
     def _reset_slot(self, gi: int, i: int) -> None:
         """An entry emptied or deleted by other code: a fresh start at the next step, as torch."""
@@ -638,14 +640,14 @@ class Adam(Optimizer):
         plan: list[tuple[int, int, dict[str, Any] | None, float]] = []
         for gi, g in self._engine.live_groups():
             amsgrad = bool(self.param_groups[gi]["amsgrad"])
-            for i, p in enumerate(g.params):
+            for i, p in enumerate(g.keys):
                 entry = dict.get(st, p)
                 if not entry:
                     if float(g.steps[i]) != 0.0:
                         plan.append((gi, i, None, 0.0))
                     continue
                 views = g.views(i) if float(g.steps[i]) != 0.0 else {}
-                if isinstance(entry, _Entry) and views and all(entry.get(k) is not None and _same_view(entry[k], t) for k, t in views.items()):
+                if isinstance(entry, _Entry) and views and all(entry.get(k) is not None and _same_view(_local(entry[k]), t) for k, t in views.items()):
                     continue
                 step = self._check_entry(gi, i, entry, amsgrad)
                 plan.append((gi, i, _unaliased(entry, ours), step))
@@ -791,7 +793,7 @@ class Adam(Optimizer):
             for rng in g.buckets:
                 items = []
                 for i in rng:
-                    p = g.params[i]
+                    p = g.keys[i]
                     if not dict.get(self.state, p):
                         continue
                     pid = ids[gi][i]
@@ -938,6 +940,21 @@ class Adam(Optimizer):
                 else:
                     dict.__setitem__(self.state, k, v)
         self.state.dirty = False
+
+
+def _local(t: Any, key: Tensor | None = None, what: str = "") -> Any:
+    """A DTensor's local shard (checked against the parameter ``key``'s mesh and placements when
+    given); anything else as it is."""
+    if type(t).__name__ != "DTensor" or not hasattr(t, "_local_tensor"):
+        return t
+    if key is not None and (
+        type(key) is not type(t) or t.placements != key.placements or t.device_mesh != key.device_mesh  # type: ignore[attr-defined]
+    ):
+        raise ValueError(
+            f"{what}: a DTensor with placements {t.placements} does not match its parameter's "  # type: ignore[attr-defined]
+            f"{getattr(key, 'placements', 'plain tensor')}"
+        )
+    return t._local_tensor  # type: ignore[attr-defined]
 
 
 def _same_view(a: Any, b: Tensor) -> bool:

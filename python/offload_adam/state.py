@@ -14,6 +14,7 @@ a tier that keeps state elsewhere (NVMe) pages it in and out without the engine 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -42,6 +43,59 @@ def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     return torch.as_strided(flat, p.shape, p.stride(), offset)
 
 
+@dataclass
+class Layout:
+    """Where a group's state sits: what :class:`GroupState` allocates, and what the planner
+    (``python -m offload_adam plan``) counts, from one computation."""
+
+    lens: list[int]  # elements of each slot (a complex parameter: twice its numel)
+    buckets: list[range]  # consecutive parameters, up to `bucket_bytes` of gradient each
+    offsets: list[int]  # first element of each slot in the state buffers
+    total: int  # elements of each state buffer
+    landing_slots: list[tuple[int, int]]  # offloaded: (landing buffer, first element) per slot
+    landing: list[int | None]  # offloaded: elements of each landing buffer (KINDS), None if unused
+
+    def host_bytes(self, *, state_dtype: torch.dtype, amsgrad: bool, master: bool, streamed: bool) -> int:
+        """Bytes of the host buffers a group with this layout allocates."""
+        es = torch.empty((), dtype=state_dtype).element_size()
+        n = self.total * es * (3 if amsgrad else 2) + (self.total * 4 if master else 0) + 4 * len(self.lens)
+        if streamed:
+            n += sum(c * torch.empty((), dtype=KINDS[k]).element_size() for k, c in enumerate(self.landing) if c is not None)
+        return n
+
+
+def layout(params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = _ALIGN) -> Layout:
+    """The layout of a group of parameters given as (numel, dtype): buckets of ``bucket_bytes``
+    of gradient, each bucket's state starting on a multiple of ``page_align`` elements, each slot
+    on a SIMD block boundary; one landing buffer per gradient dtype for offloaded groups."""
+    sizes = [torch.empty((), dtype=dt).element_size() for _, dt in params]
+    lens = [n * (2 if dt.is_complex else 1) for n, dt in params]
+    buckets: list[range] = []
+    first = size = 0
+    for i, (n, _) in enumerate(params):
+        size += n * sizes[i]
+        if size >= bucket_bytes or i == len(params) - 1:
+            buckets.append(range(first, i + 1))
+            first, size = i + 1, 0
+    starts = {b.start for b in buckets}
+    offsets: list[int] = []
+    total = 0
+    for i, n in enumerate(lens):
+        if i in starts:
+            total = -(-total // page_align) * page_align
+        offsets.append(total)
+        total += _aligned(n)
+    total = -(-total // page_align) * page_align
+    used = [0] * len(KINDS)
+    slots: list[tuple[int, int]] = []
+    for n, dt in params:
+        k = KINDS.index(dt) if dt in KINDS else 0
+        slots.append((k, used[k]))
+        used[k] += _aligned(n)
+    landing = [used[k] if any(dt == KINDS[k] for _, dt in params) else None for k in range(len(KINDS))]
+    return Layout(lens, buckets, offsets, total, slots, landing)
+
+
 class GroupState:
     """One param group's layout, flat host buffers, native state set and state views.
 
@@ -63,8 +117,13 @@ class GroupState:
         bucket_bytes: int,
         page_align: int = _ALIGN,
         state_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
+        keys: list[Tensor] | None = None,
     ) -> None:
         self.params = list(params)
+        # What the optimizer's param groups and `state` hold: the parameters themselves, or for a
+        # DTensor (FSDP2) the DTensor whose local shard `params[i]` is.
+        self.keys = list(keys) if keys is not None else self.params
+        self.dtensor = [k is not p for k, p in zip(self.keys, self.params)]
         self.names = names
         self.device = device
         self.streamed = device is not None
@@ -74,26 +133,8 @@ class GroupState:
                     raise TypeError(f"{name}: dtype {p.dtype} cannot be offloaded (float32, bfloat16, float16)")
                 if not p.is_contiguous():
                     raise ValueError(f"{name}: an offloaded parameter must be contiguous")
-        self.lens = [p.numel() * (2 if p.is_complex() else 1) for p in params]
-        # Buckets: consecutive parameters, up to `bucket_bytes` of gradient each. Offloaded
-        # gradients travel by bucket, and a tier pages state by bucket: each bucket's state
-        # starts on a multiple of `page_align` elements.
-        self.buckets: list[range] = []
-        first = size = 0
-        for i, p in enumerate(params):
-            size += p.numel() * p.element_size()
-            if size >= bucket_bytes or i == len(params) - 1:
-                self.buckets.append(range(first, i + 1))
-                first, size = i + 1, 0
-        starts = {b.start for b in self.buckets}
-        self.offsets: list[int] = []
-        total = 0
-        for i, n in enumerate(self.lens):
-            if i in starts:
-                total = -(-total // page_align) * page_align
-            self.offsets.append(total)
-            total += _aligned(n)
-        self.total = -(-total // page_align) * page_align  # elements of each state buffer
+        lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align)
+        self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
         alloc: Callable[[int, torch.dtype], Tensor] = (
             device.host_buffer if device is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
         )
@@ -108,12 +149,8 @@ class GroupState:
         self.landing: list[Tensor | None] = [None] * len(KINDS)
         self.landing_slots: list[tuple[int, int]] = []
         if self.streamed:
-            used = [0] * len(KINDS)
-            for p in params:
-                k = KINDS.index(p.dtype)
-                self.landing_slots.append((k, used[k]))
-                used[k] += _aligned(p.numel())
-            self.landing = [alloc(used[k], KINDS[k]) if any(p.dtype == KINDS[k] for p in params) else None for k in range(3)]
+            self.landing_slots = lay.landing_slots
+            self.landing = [alloc(n, KINDS[k]) if n is not None else None for k, n in enumerate(lay.landing)]
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
                 self.max_exp_avg_sq, landing=self.landing, landing_slots=self.landing_slots,
@@ -135,7 +172,7 @@ class GroupState:
         return self.master is not None and (self.streamed or self.params[i].dtype in LOW_PRECISION)
 
     def views(self, i: int) -> dict[str, Tensor]:
-        """The ``state[p]`` entry of parameter ``i``: views into the flat buffers."""
+        """Views into the flat buffers of parameter ``i``'s state (local shards for a DTensor)."""
         p, off = self.params[i], self.offsets[i]
         out = {"step": self.steps[i], "exp_avg": _view(self.exp_avg, off, p), "exp_avg_sq": _view(self.exp_avg_sq, off, p)}
         if self.max_exp_avg_sq is not None:
@@ -144,6 +181,21 @@ class GroupState:
             assert self.master is not None
             out["master_param"] = _view(self.master, off, p)
         return out
+
+    def entry(self, i: int) -> dict[str, Tensor]:
+        """The ``state[p]`` entry of parameter ``i``: :meth:`views`, as DTensors of the
+        parameter's mesh and placements for a DTensor parameter (as torch's AdamW keeps them)."""
+        v = self.views(i)
+        if not self.dtensor[i]:
+            return v
+        from torch.distributed.tensor import DTensor
+
+        k = self.keys[i]
+        assert isinstance(k, DTensor)
+        return {
+            n: t if n == "step" else DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=k.shape, stride=k.stride())
+            for n, t in v.items()
+        }
 
     def ensure_amsgrad(self) -> bool:
         """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later:

@@ -336,6 +336,24 @@ impl StateSet {
     }
 
     /// Gives the set its amsgrad buffer (same length and dtype as exp_avg).
+    /// Points slot `i` of an in-place set at another tensor object, for when the owner of the
+    /// memory replaces the object (FSDP2 swaps a DTensor's local tensor). Its memory is imported,
+    /// and its shape and dtype checked, at the next step, as for a replaced storage.
+    fn replace_param(&self, i: usize, p: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut inner = self.lock()?;
+        let Some(params) = inner.params.as_mut() else {
+            return Err(PyRuntimeError::new_err(
+                "replace_param: this set does not write parameters in place",
+            ));
+        };
+        let Some(e) = params.get_mut(i) else {
+            return Err(PyValueError::new_err(format!("replace_param: no slot {i}")));
+        };
+        e.param = p.clone().unbind();
+        e.data_ptr = usize::MAX; // never a real address: the next step re-imports it
+        Ok(())
+    }
+
     fn set_max_exp_avg_sq(&self, buf: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut inner = self.lock()?;
         let x = Import::new(buf, "max_exp_avg_sq buffer")?;

@@ -1,0 +1,135 @@
+"""``python -m offload_adam plan``: which training configurations fit a machine.
+
+For a model of ``--params`` parameters (taken as tensors of ``--tensor-params`` elements: the
+layout's per-tensor alignment is negligible at that size) and ``--world-size`` ranks, each
+configuration's bytes per rank on the GPU, in host memory and on NVMe, and the bytes it moves
+per step over PCIe and to the disk. The host bytes of our optimizer come from
+:func:`offload_adam.state.layout`, the computation the optimizer allocates its buffers from (a
+test checks them against ``memory_report()`` of a real model); the rest (weights, gradients,
+FSDP2's shards) are the tensors' own sizes.
+
+Activations are not counted: they depend on batch, sequence length and checkpointing, and come
+on top of every GPU figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .nvme import PAGE_ALIGN
+from .state import layout
+
+GB = 1 << 30
+
+
+@dataclass
+class Config:
+    name: str
+    gpu: float  # bytes per rank
+    host: float
+    nvme: float
+    pcie: float  # bytes per step per rank, both directions
+    disk: float  # bytes per step per rank, read + written
+    note: str = ""
+
+
+def optimizer_host_bytes(
+    params: Sequence[tuple[int, torch.dtype]],
+    *,
+    state_dtype: torch.dtype = torch.float32,
+    amsgrad: bool = False,
+    streamed: bool,
+    bucket_bytes: int = 32 << 20,
+    page_align: int | None = None,
+) -> int:
+    """Host bytes of one param group of ``offload_adam.AdamW`` over these (numel, dtype)
+    parameters: offloaded (``streamed``: masters and landing buffers) or CPU parameters."""
+    lay = layout(params, bucket_bytes=bucket_bytes, **({"page_align": page_align} if page_align else {}))
+    master = streamed or any(dt in (torch.bfloat16, torch.float16) for _, dt in params)
+    return lay.host_bytes(state_dtype=state_dtype, amsgrad=amsgrad, master=master, streamed=streamed)
+
+
+def _tensors(n: float, per: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+    full, rest = divmod(int(n), per)
+    return [(per, dtype)] * full + ([(rest, dtype)] if rest else [])
+
+
+def configurations(
+    params: float, *, world: int, state_dtype: torch.dtype, tensor_params: int, bucket_mb: float = 32
+) -> list[Config]:
+    n = float(params)
+    shard = n / world
+    bb = int(bucket_mb * (1 << 20))
+    bf16 = _tensors(n, tensor_params, torch.bfloat16)
+    fp32_shard = _tensors(shard, tensor_params, torch.float32)
+    es = torch.empty((), dtype=state_dtype).element_size()
+    window = 3 * bb  # gradient buckets in flight on the GPU with free_gradients
+    biggest = 2 * 2 * tensor_params  # FSDP2: an all-gathered unit in bf16, and its gradient
+    ours_off = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb)
+    ours_fsdp = optimizer_host_bytes(fp32_shard, state_dtype=state_dtype, streamed=False, bucket_bytes=bb)
+    ours_nvme_state = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, page_align=PAGE_ALIGN)
+    landing = 2 * n  # bf16 gradients' landing buffers stay in RAM
+    on_disk = ours_nvme_state - landing
+    nvme_window = (2 + 1 + 2) * bb / 2 * (4 + 2 * es)  # read-ahead 2, one stepping, 2 writing
+    return [
+        Config(
+            "torch.optim.AdamW on the GPU, DDP (fp32 weights, grads, moments)",
+            16 * n, 0, 0, 0, 0,
+        ),
+        Config(
+            "FSDP2 on GPUs, torch.optim.AdamW (fp32 shards, grads, moments)",
+            16 * shard + biggest, 0, 0, 0, 0,
+        ),
+        Config(
+            "offload_adam offload='cpu', bf16 model, free_gradients (one replica per GPU)",
+            2 * n + window, ours_off, 0, 4 * n, 0,
+            "masters and moments in pinned RAM; bf16 grads down, bf16 weights up",
+        ),
+        Config(
+            "FSDP2 + CPUOffloadPolicy + offload_adam (fp32 shards)",
+            biggest, 8 * shard + ours_fsdp, 0, 8 * shard, 0,
+            "FSDP2 keeps fp32 shards and grads in pinned RAM; our state beside them",
+        ),
+        Config(
+            "offload_adam offload='nvme', bf16 model, free_gradients (one replica per GPU)",
+            2 * n + window, landing + nvme_window, on_disk, 4 * n, 2 * on_disk,
+            "masters and moments on NVMe, paged through a window",
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m offload_adam plan", description=__doc__.splitlines()[0])
+    ap.add_argument("--params", type=float, required=True, help="model parameters, e.g. 13e9")
+    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory per rank, GiB")
+    ap.add_argument("--host-gb", type=float, required=True, help="host memory per rank, GiB")
+    ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (0: none)")
+    ap.add_argument("--world-size", type=int, default=1)
+    ap.add_argument("--bf16-moments", action="store_true", help="state_dtype=torch.bfloat16")
+    ap.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model")
+    args = ap.parse_args(argv)
+    sd = torch.bfloat16 if args.bf16_moments else torch.float32
+    cfgs = configurations(args.params, world=args.world_size, state_dtype=sd, tensor_params=args.tensor_params)
+    print(
+        f"{args.params / 1e9:.2f}B parameters, {args.world_size} rank(s) with {args.gpu_gb:g} GiB GPU, "
+        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {'bf16' if args.bf16_moments else 'fp32'} moments; "
+        "activations not counted"
+    )
+    for c in cfgs:
+        short = [
+            what for what, need, have in (("GPU", c.gpu, args.gpu_gb), ("host", c.host, args.host_gb), ("NVMe", c.nvme, args.nvme_gb))
+            if need > have * GB
+        ]  # fmt: skip
+        verdict = "fits" if not short else "does not fit (" + ", ".join(short) + ")"
+        print(f"\n{c.name}: {verdict}")
+        print(
+            f"  per rank: GPU {c.gpu / GB:.1f} GiB, host {c.host / GB:.1f} GiB, NVMe {c.nvme / GB:.1f} GiB; "
+            f"per step: PCIe {c.pcie / GB:.1f} GiB, disk {c.disk / GB:.1f} GiB"
+        )
+        if c.note:
+            print(f"  {c.note}")
+    return 0

@@ -1,0 +1,39 @@
+"""The planner counts our optimizer's host bytes with the layout code the optimizer allocates
+from: for real models it agrees with memory_report()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_adam import AdamW, testing
+from offload_adam.plan import main, optimizer_host_bytes
+
+
+def _model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)).to(dtype)
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["cpu", "offloaded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_planned_host_bytes_equal_memory_report(streamed: bool, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
+    m = _model(dtype)
+    params = [(p.numel(), p.dtype) for p in m.parameters()]
+    if streamed:
+        with testing.simulated_device(seed=0, max_delay_s=0.0):
+            opt = AdamW(m.parameters(), state_dtype=state_dtype, bucket_mb=0.05)
+            held = opt.memory_report()["host_bytes"]
+    else:
+        opt = AdamW(m.parameters(), state_dtype=state_dtype, bucket_mb=0.05)
+        held = opt.memory_report()["host_bytes"]
+    planned = optimizer_host_bytes(params, state_dtype=state_dtype, streamed=streamed, bucket_bytes=int(0.05 * (1 << 20)))
+    assert abs(planned - held) <= 0.01 * held, (planned, held)
+
+
+def test_plan_command_prints_what_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "256", "--bf16-moments"]) == 0
+    out = capsys.readouterr().out
+    assert "torch.optim.AdamW on the GPU, DDP (fp32 weights, grads, moments): does not fit (GPU)" in out
+    assert "FSDP2 + CPUOffloadPolicy + offload_adam (fp32 shards): fits" in out

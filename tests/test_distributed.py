@@ -72,6 +72,98 @@ def test_ddp_matches_single_process_adamw(env: dict[str, str], kw: dict[str, Any
     _assert_same_on_ranks_and_close(spawn(_ddp_worker, kw, env=env), _single_process_reference(2))
 
 
+def _ddp_hook_worker(rank: int, world: int, hook: bool, kw: dict[str, Any], ddp_kw: dict[str, Any]) -> Any:
+    """DDP over offloaded parameters (simulated device), with or without our communication
+    hook; two micro-batches per step (the first under no_sync), clipping on the model. Returns
+    the weights and the bytes copied to the host per step (after the first)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from offload_adam import AdamW, register_ddp_hook
+
+    m = _model()
+    ddp = DDP(m, **ddp_kw)
+    opt = AdamW(ddp.parameters(), lr=1e-2, **kw)
+    if hook:
+        register_ddp_hook(ddp, opt)
+    dev = opt._engine.device
+    per_step = []
+    data = _batches(world, STEPS)
+    for t in range(0, len(data), 2):
+        before = dev.copied_bytes.get("d2h", 0)
+        for j, (x, y) in enumerate(data[t : t + 2]):
+            with ddp.no_sync() if j == 0 else _nullcontext():
+                (((ddp(x[rank::world]) - y[rank::world]) ** 2).mean() / 2).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+        per_step.append(dev.copied_bytes.get("d2h", 0) - before)
+    grad_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
+    return [p.detach().clone() for p in m.parameters()], per_step[1:], grad_bytes
+
+
+def _clipped_reference(world: int) -> list[torch.Tensor]:
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    data = _batches(world, STEPS)
+    for t in range(0, len(data), 2):
+        for x, y in data[t : t + 2]:
+            (sum(((m(x[r::world]) - y[r::world]) ** 2).mean() for r in range(world)) / world / 2).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize(
+    "kw, ddp_kw", [({}, {}), ({"async_step": True}, {}), ({}, {"gradient_as_bucket_view": True})],
+    ids=["sync", "async", "bucket-view"],
+)  # fmt: skip
+def test_ddp_hook_copies_each_averaged_gradient_once(kw: dict[str, Any], ddp_kw: dict[str, Any]) -> None:
+    ref = _clipped_reference(2)
+    out = spawn(_ddp_hook_worker, True, kw, ddp_kw, env=STREAM)
+    _assert_same_on_ranks_and_close([w for w, _, _ in out], ref)
+    for _, per_step, grad_bytes in out:
+        # once: no local copy at the hooks, none again at the step (clipping on the model
+        # edits the gradients after the backward: those are copied again, as they must be)
+        assert all(b <= 2 * grad_bytes for b in per_step), (per_step, grad_bytes)
+    plain = spawn(_ddp_hook_worker, False, kw, ddp_kw, env=STREAM)
+    _assert_same_on_ranks_and_close([w for w, _, _ in plain], ref)
+
+
+def _ddp_hook_noclip_worker(rank: int, world: int) -> Any:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from offload_adam import AdamW, register_ddp_hook
+
+    out = {}
+    for hook in (True, False):
+        m = _model()
+        ddp = DDP(m)
+        opt = AdamW(ddp.parameters(), lr=1e-2)
+        if hook:
+            register_ddp_hook(ddp, opt)
+        dev = opt._engine.device
+        counts = []
+        for x, y in _batches(world, 6):
+            before = dev.copied_bytes.get("d2h", 0)
+            ((ddp(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            counts.append(dev.copied_bytes.get("d2h", 0) - before)
+        out[hook] = (counts[1:], [p.detach().clone() for p in m.parameters()])
+        opt.close()
+    grad_bytes = sum(p.numel() * p.element_size() for p in _model().parameters())
+    return out, grad_bytes
+
+
+def test_ddp_hook_bytes_per_step_are_the_gradients_once() -> None:
+    (out, grad_bytes), _ = spawn(_ddp_hook_noclip_worker, env=STREAM)
+    assert out[True][0] == [grad_bytes] * len(out[True][0])  # each gradient once
+    assert all(b == 2 * grad_bytes for b in out[False][0])  # without the hook: twice
+    assert all(torch.equal(a, b) for a, b in zip(out[True][1], out[False][1]))
+
+
 def test_ddp_with_free_gradients_is_refused_clearly() -> None:
     """DDP writes the averaged gradients after our hook copied (and freed) the local ones: that
     step was silently wrong (the ranks drifted apart); it is refused before anything changes."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _native
+from .ddp import register_ddp_hook
 from .nvme import remove_stale_runs, stale_runs
 from .optimizer import Adam, AdamW
 from .testing import force_streaming as streaming_forced
@@ -28,4 +29,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["Adam", "AdamW", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "streaming_forced", "__version__"]
+__all__ = ["Adam", "AdamW", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "streaming_forced", "__version__"]

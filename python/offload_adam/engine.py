@@ -136,6 +136,8 @@ class Engine:
         self.stats: dict[str, float] = {}
         self._cur: dict[str, float] = {}
         self._backward_done: Any = None
+        self.ddp_group: Any = None  # DDP's process group, once offload_adam.ddp's hook is registered
+        self._after_backward_queued = False
         self._io_before: dict[str, float] = {}
         # Forward waits (async mode): modules seen running, parameters each one reads.
         self._called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -581,6 +583,29 @@ class Engine:
                 self.tier.release(g, slots, self._wait_copy_backs)
             if only is None:
                 self.tier.end_step()
+
+    def queue_after_backward(self) -> None:
+        """From DDP's communication hook (inside a backward): at the end of this backward, after
+        DDP's own end-of-backward work, note what ``.grad`` holds."""
+        if self._after_backward_queued:
+            return
+        self._after_backward_queued = True
+        me = weakref.ref(self)
+
+        def done() -> None:
+            e = me()
+            if e is not None:
+                e._after_backward_queued = False
+                if e.streamed is not None:
+                    e.streamed.after_backward()
+
+        def then_done() -> None:
+            # DDP queues its end-of-backward work when its last bucket is ready, after ours was
+            # queued: queued from here, `done` runs after it (callbacks queued by a callback run
+            # in the same backward, in order).
+            torch.autograd.Variable._execution_engine.queue_callback(done)  # type: ignore[attr-defined]
+
+        torch.autograd.Variable._execution_engine.queue_callback(then_done)  # type: ignore[attr-defined]
 
     def discard_grads(self) -> None:
         self._direct_left = None

@@ -88,6 +88,10 @@ class StreamedGrads:
         self.buckets: list[Bucket] = []
         # Bumped by zero_grad: a failed step gives its gradients back only if none came since.
         self.generation = 0
+        # DDP: gradients come averaged from DDP's communication hook (`land_averaged`), not from
+        # the post-accumulate hooks, which see the local ones (see offload_adam.ddp).
+        self.ddp = False
+        self._landed: list[Rec] = []
         me = weakref.ref(self)
 
         def hook(p: Tensor) -> None:
@@ -118,6 +122,8 @@ class StreamedGrads:
     # -- backward -------------------------------------------------------------------------------
 
     def _on_grad(self, p: Tensor) -> None:
+        if self.ddp:
+            return  # the averaged gradient comes from the communication hook
         r = self.by_param[id(p)]
         if p.grad is None or p.grad.dtype != r.dtype or p.grad.shape != r.shape:
             return  # a moved or re-typed parameter: the step reports it
@@ -173,6 +179,31 @@ class StreamedGrads:
         b.d2h_event = dev.record(dev.d2h)
         if staged:
             b.staged, b.staged_event = staged, b.d2h_event
+
+    def land_averaged(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """DDP's communication hook: a bucket of averaged gradients (views of DDP's bucket) is
+        copied into the landing slots, once, as soon as its all-reduce is done."""
+        touched: dict[int, Bucket] = {}
+        for p, g in zip(params, grads):
+            r = self.by_param.get(id(p))
+            if r is None or g.dtype != r.dtype or g.numel() != r.slot.numel():
+                continue
+            r.pending, r.accumulate = g.view(r.shape), False
+            self._landed.append(r)
+            touched[r.bucket] = self.buckets[r.bucket]
+        for b in touched.values():
+            self.flush(b)
+
+    def after_backward(self) -> None:
+        """End of a backward under DDP (after DDP wrote the averaged gradients into ``.grad``):
+        what ``.grad`` now holds is what was landed; a later edit (clipping on the model) is
+        seen by its version counter and copied again at the step, as without DDP."""
+        for r in self._landed:
+            g = r.param.grad
+            if g is not None:
+                r.grad_ref = weakref.ref(g)
+                r.grad_version = g._version
+        self._landed = []
 
     def finish_staged(self, b: Bucket) -> None:
         """Adds gradients staged by an earlier micro-batch into the landing slots, once their

@@ -207,6 +207,8 @@ class SimulatedDevice:
         self.copies_on_demand = copies_on_demand
         self.closed = False
         self.violations: list[str] = []
+        self.copied_bytes: dict[str, int] = {}  # bytes queued for copying, by stream name
+        self._count_lock = threading.Lock()
         self._hosts: dict[int, _HostAlloc] = {}
         self._device_mem: dict[int, Any] = {}  # storages queued copies have used: device memory
         self.d2h = _Stream(self, "d2h", seed * 2 + 1)
@@ -303,6 +305,10 @@ class SimulatedDevice:
 
     def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
         items = [(self._ref(d, True), self._ref(s, False)) for d, s in pairs]
+        with self._count_lock:
+            self.copied_bytes[stream.name] = self.copied_bytes.get(stream.name, 0) + sum(
+                s.numel() * s.element_size() for _, s in pairs
+            )
 
         def run() -> None:
             for d, s in items:

@@ -2,14 +2,16 @@
 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py                 # CPU, gloo
     torchrun --nproc-per-node 8 examples/train_fsdp2.py --cpu-offload   # GPUs, NCCL, CPUOffloadPolicy
+    torchrun --nproc-per-node 8 examples/train_fsdp2.py                 # GPUs, shards on the GPU
 
 The same script runs multi-node (torchrun's --nnodes/--rdzv-endpoint). Each rank holds its shard
 of every parameter; FSDP2 all-gathers them for forward and backward and reduce-scatters the
 gradients; the optimizer steps each rank's local shard in place with the Rust kernel. With
 ``--cpu-offload`` (``CPUOffloadPolicy``) the shards and their gradients live in pinned host
 memory, which is what makes a large model fit on few GPUs, and the CPU step is ours. On GPUs
-without ``--cpu-offload`` the shards are on the GPU: that mode is not supported yet by
-offload_adam (the script says so and stops).
+without ``--cpu-offload`` the shards stay on the GPU, and the optimizer streams each rank's
+gradient shard to the host during backward and the updated shard back (its state in host
+memory, as for any offloaded parameter).
 """
 
 from __future__ import annotations
@@ -50,8 +52,6 @@ def main() -> None:
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-        if not args.cpu_offload:
-            raise SystemExit("offload_adam steps FSDP2 shards on the CPU: pass --cpu-offload on GPUs")
     torch.manual_seed(0)
     data = make_corpus(20_000, 0).to(dev)
     model = GPT(len(VOCAB), args.ctx, args.d_model, args.layers, args.heads).to(dev)

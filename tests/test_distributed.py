@@ -382,6 +382,22 @@ def test_fsdp2_matches_torch_adamw_on_the_same_shards(kw: dict[str, Any], clip: 
             assert abs(x - r) <= 1e-5 * max(1.0, r)
 
 
+@pytest.mark.parametrize("kw", [{}, {"async_step": True}, {"free_gradients": True}], ids=["sync", "async", "free-gradients"])
+def test_fsdp2_streamed_shards_match_torch_adamw(kw: dict[str, Any]) -> None:
+    """FSDP2 with its shards on the device (no CPUOffloadPolicy): our optimizer streams each
+    rank's reduce-scattered gradient shard to the host and its updated shard back, here through
+    the simulated device (CPU shards treated as device memory)."""
+    ref = spawn(_fsdp_worker, False, {}, "torch", torch.float32)
+    out = spawn(_fsdp_worker, True, kw, "ours", torch.float32, env=STREAM)
+    (wa, na, kinds, _), (wb, nb, _, _) = out
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "the ranks' weights differ"
+    assert "exp_avg:DTensor" in kinds and "master_param:DTensor" in kinds
+    for x, r in zip(wa, ref[0][0]):
+        torch.testing.assert_close(x, r, rtol=0, atol=1e-5)
+    for x, r in zip(na, ref[0][1]):
+        assert abs(x - r) <= 1e-5 * max(1.0, r)
+
+
 def _dcp_worker(rank: int, world: int, phase: str, ckpt: str, how: dict[str, Any]) -> Any:
     """phase "save": 6 steps, a DCP checkpoint of model and optimizer, 6 more steps; "load": a
     fresh model and optimizer loaded from it, 6 steps. Returns the final full weights."""

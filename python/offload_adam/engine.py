@@ -29,7 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from . import _native, testing
 from .device import CudaDevice, Device
-from .grads import Bucket, Rec, StreamedGrads
+from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
 from .simdevice import shared_device
 from .state import GroupState, HostTier, Tier
 
@@ -73,16 +73,6 @@ def _is_dtensor(p: Tensor) -> bool:
 def _check_local(loc: Any, name: str) -> None:
     if not isinstance(loc, Tensor) or type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__:
         raise TypeError(f"{name}: the DTensor's local shard is a {type(loc).__name__}, not a plain tensor")
-
-
-def _check_shard_grad(k: Tensor, grad: Tensor, name: str) -> None:
-    """A DTensor parameter's gradient must be a DTensor of its mesh and placements: its local
-    shard is what the kernel reads in place of the parameter's gradient."""
-    if type(grad) is not type(k) or grad.placements != k.placements or grad.device_mesh != k.device_mesh:  # type: ignore[attr-defined]
-        raise TypeError(
-            f"{name}: the gradient of a DTensor parameter must be a DTensor with its mesh and placements, "
-            f"got {type(grad).__name__}" + (f" with placements {grad.placements}" if hasattr(grad, "placements") else "")
-        )
 
 
 def _local_shards(params: list[Tensor], names: list[str]) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -175,11 +165,6 @@ class Engine:
             )
         dev = next(iter(devices), torch.device("cpu"))
         local, keys = _local_shards(params, names)
-        if keys is not None and (dev.type != "cpu" or testing.force_streaming()):
-            raise NotImplementedError(
-                f"param group {gi}: DTensor (FSDP2) parameters on {dev} are not supported yet: use "
-                "fully_shard(..., offload_policy=CPUOffloadPolicy()), whose local shards live on the CPU"
-            )
         if dev.type == "meta":
             # Built at the first step, once the parameters have storage (`to_empty()`).
             self.groups.append(None)
@@ -316,8 +301,8 @@ class Engine:
         bound: list[Tensor] = []
         try:
             for _, g in self.live_groups():
-                if not any(g.dtensor):
-                    continue
+                if g.streamed or not any(g.dtensor):
+                    continue  # streamed shards: their gradients come through StreamedGrads
                 for i, k in enumerate(g.keys):
                     if not g.dtensor[i]:
                         continue
@@ -328,7 +313,7 @@ class Engine:
                         g.native.replace_param(i, loc)
                     grad = k.grad
                     if grad is not None:
-                        _check_shard_grad(k, grad, g.names[i])
+                        check_shard_grad(k, grad, g.names[i])
                         loc.grad = grad._local_tensor  # type: ignore[attr-defined]
                     else:
                         loc.grad = None
@@ -619,28 +604,36 @@ class Engine:
         copies; DTensor (FSDP2) gradients by their local shards, summed over the mesh."""
         views: list[Tensor] = []
         sharded: list[Tensor] = []
-        mesh = None
+        mesh: Any = None
+
+        def add_shard(k: Tensor, local: Tensor, name: str) -> None:
+            nonlocal mesh
+            if any(pl.is_shard() for pl in k.placements):  # type: ignore[attr-defined]
+                if k.device_mesh.ndim != 1 or (mesh is not None and k.device_mesh != mesh):  # type: ignore[attr-defined]
+                    raise NotImplementedError(f"{name}: clip_grad_norm_ over DTensors supports one 1-D mesh")
+                mesh = k.device_mesh  # type: ignore[attr-defined]
+                sharded.append(local)
+            else:  # replicated: every rank holds it whole, counted once
+                views.append(local)
+
         for _, g in self.live_groups():
-            if not g.streamed:
-                views += [p.grad for p, d in zip(g.params, g.dtensor) if not d and p.grad is not None]
+            if g.streamed:
+                continue
+            views += [p.grad for p, d in zip(g.params, g.dtensor) if not d and p.grad is not None]
             for k, d, name in zip(g.keys, g.dtensor, g.names):
-                if not d or k.grad is None:
-                    continue
-                grad = k.grad
-                _check_shard_grad(k, grad, name)
-                if any(pl.is_shard() for pl in k.placements):  # type: ignore[attr-defined]
-                    if k.device_mesh.ndim != 1 or (mesh is not None and k.device_mesh != mesh):  # type: ignore[attr-defined]
-                        raise NotImplementedError(f"{name}: clip_grad_norm_ over DTensors supports one 1-D mesh")
-                    mesh = k.device_mesh  # type: ignore[attr-defined]
-                    sharded.append(grad._local_tensor)  # type: ignore[attr-defined]
-                else:  # replicated: every rank holds it whole, counted once
-                    views.append(grad._local_tensor)  # type: ignore[attr-defined]
+                if d and k.grad is not None:
+                    check_shard_grad(k, k.grad, name)
+                    add_shard(k, k.grad._local_tensor, name)  # type: ignore[attr-defined]
         if self.streamed is not None:
             self.synchronize()
             self.streamed.check_params()
             self.streamed.collect(False)
             self.streamed.wait_all()
-            views += self.streamed.grad_views()
+            plain, shards = self.streamed.grad_views()
+            views += plain
+            for r in shards:
+                assert r.key is not None
+                add_shard(r.key, r.slot.view(-1), r.name)
         flat = [v.view(torch.float32) if v.is_complex() else v for v in views]
         total = _native.grad_sq_norm(flat, num_threads=self.num_threads)
         if mesh is not None:

@@ -28,6 +28,16 @@ from .device import Device
 from .state import GroupState
 
 
+def check_shard_grad(k: Tensor, grad: Tensor, name: str) -> None:
+    """A DTensor parameter's gradient must be a DTensor of its mesh and placements: its local
+    shard is what the kernel reads in place of the parameter's gradient."""
+    if type(grad) is not type(k) or grad.placements != k.placements or grad.device_mesh != k.device_mesh:  # type: ignore[attr-defined]
+        raise TypeError(
+            f"{name}: the gradient of a DTensor parameter must be a DTensor with its mesh and placements, "
+            f"got {type(grad).__name__}" + (f" with placements {grad.placements}" if hasattr(grad, "placements") else "")
+        )
+
+
 @dataclass
 class Rec:
     """One offloaded parameter."""
@@ -50,10 +60,27 @@ class Rec:
     grad_ref: Any = None  # weak reference to the device gradient last copied (kept gradients)
     grad_version: int = -1
     param_version: int = -1  # the parameter's version after our last copy-back
+    key: Tensor | None = None  # a DTensor (FSDP2) whose local shard `param` is
 
     @property
     def name(self) -> str:
         return self.group.names[self.index]
+
+    @property
+    def owner(self) -> Tensor:
+        """The tensor autograd (or FSDP2) gives the gradient to: the DTensor, or the parameter."""
+        return self.key if self.key is not None else self.param
+
+    def grad(self) -> Tensor | None:
+        """The gradient to copy: ``.grad``, or the local shard of a DTensor's."""
+        g = self.owner.grad
+        if self.key is None or g is None:
+            return g
+        try:
+            check_shard_grad(self.key, g, self.name)
+        except TypeError:
+            return None  # not a shard of ours: check_params refuses it at the step
+        return g._local_tensor  # type: ignore[attr-defined, no-any-return]
 
 
 @dataclass
@@ -107,9 +134,11 @@ class StreamedGrads:
             for i in rng:
                 p = group.params[i]
                 r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), p.numel() * p.element_size())
-                r.hook = p.register_post_accumulate_grad_hook(self._hook)
+                r.key = group.keys[i] if group.dtensor[i] else None
+                r.hook = r.owner.register_post_accumulate_grad_hook(self._hook)
                 self.recs.append(r)
                 self.by_param[id(p)] = r
+                self.by_param[id(r.owner)] = r  # modules hold the DTensor
                 recs.append(r)
             b = Bucket(group, gi, recs, sum(r.nbytes for r in recs))
             b.done.set()
@@ -125,9 +154,10 @@ class StreamedGrads:
         if self.ddp:
             return  # the averaged gradient comes from the communication hook
         r = self.by_param[id(p)]
-        if p.grad is None or p.grad.dtype != r.dtype or p.grad.shape != r.shape:
+        g = r.grad()
+        if g is None or g.dtype != r.dtype or g.shape != r.shape:
             return  # a moved or re-typed parameter: the step reports it
-        r.pending = p.grad
+        r.pending = g
         r.accumulate = r.has_grad and self.free_gradients
         b = self.buckets[r.bucket]
         b.ready_count += 1
@@ -169,7 +199,7 @@ class StreamedGrads:
             # now (free_gradients) or by zero_grad() right after the step.
             dev.keep_until_done(g, dev.d2h)
             if self.free_gradients:
-                r.param.grad = None
+                r.owner.grad = None
             else:
                 r.grad_ref = weakref.ref(g)
                 r.grad_version = g._version
@@ -199,7 +229,7 @@ class StreamedGrads:
         what ``.grad`` now holds is what was landed; a later edit (clipping on the model) is
         seen by its version counter and copied again at the step, as without DDP."""
         for r in self._landed:
-            g = r.param.grad
+            g = r.grad()
             if g is not None:
                 r.grad_ref = weakref.ref(g)
                 r.grad_version = g._version
@@ -225,8 +255,13 @@ class StreamedGrads:
         new storage at the step, the old storage is never written again."""
         rebound = []
         for r in self.recs:
+            if r.key is not None and r.key._local_tensor is not r.param:  # type: ignore[attr-defined]
+                # FSDP2 replaced the DTensor's local tensor object: follow it (checked below)
+                r.param = r.group.params[r.index] = r.key._local_tensor  # type: ignore[attr-defined]
+            if r.key is not None and r.key.grad is not None:
+                check_shard_grad(r.key, r.key.grad, r.name)
             p = r.param
-            if self.free_gradients and r.has_grad and r.pending is None and p.grad is not None:
+            if self.free_gradients and r.has_grad and r.pending is None and r.grad() is not None:
                 # Written after the backward copied and freed it, without a backward (no hook):
                 # DistributedDataParallel writes its averaged gradients so. Adding it to the
                 # host copy would be wrong under DDP, and replacing it wrong for an edit.
@@ -247,14 +282,14 @@ class StreamedGrads:
             r.data_ptr = r.param.data_ptr()
             r.param_version = -1  # its master is taken from the new storage
             r.hook.remove()  # swap_tensors moves hooks with the old contents: register again
-            r.hook = r.param.register_post_accumulate_grad_hook(self._hook)
+            r.hook = r.owner.register_post_accumulate_grad_hook(self._hook)
 
     def collect(self, scaler_ready: bool) -> None:
         """Before a step: copy gradients the hooks did not see, or that changed after their copy
         (``clip_grad_norm_`` on the model, a manual edit); drop the host copy of a gradient set
         to None since (torch then skips the parameter); flush partial buckets."""
         for r in self.recs:
-            g = r.param.grad
+            g = r.grad()
             if g is None:
                 if not self.free_gradients:
                     r.has_grad, r.pending, r.grad_ref = False, None, None
@@ -314,6 +349,8 @@ class StreamedGrads:
             self.device.host_wait(b.d2h_event)
             self.finish_staged(b)
 
-    def grad_views(self) -> list[Tensor]:
-        """Host copies of this step's gradients (after :meth:`wait_all`)."""
-        return [r.slot.view(-1) for r in self.recs if r.has_grad]
+    def grad_views(self) -> tuple[list[Tensor], list[Rec]]:
+        """Host copies of this step's gradients (after :meth:`wait_all`): those of plain
+        parameters, and the records of DTensor shards (whose squares are summed over a mesh)."""
+        plain = [r.slot.view(-1) for r in self.recs if r.has_grad and r.key is None]
+        return plain, [r for r in self.recs if r.has_grad and r.key is not None]

@@ -18,13 +18,17 @@ import torch
 TIMEOUT_S = 120.0
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, q: Any, args: tuple[Any, ...], env: dict[str, str]) -> None:
+def _entry(
+    fn: Callable[..., Any], rank: int, world: int, init: str, q: Any, args: tuple[Any, ...], env: dict[str, str], backend: str
+) -> None:
     os.environ.update(env)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         try:
             out = fn(rank, world, *args)
         finally:
@@ -36,14 +40,24 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, init: str, q: Any, arg
         q.put((rank, "error", traceback.format_exc()))
 
 
-def spawn(fn: Callable[..., Any], *args: Any, world: int = 2, env: dict[str, str] | None = None, timeout: float = TIMEOUT_S) -> list[Any]:
-    """``fn(rank, world, *args)`` on ``world`` processes; returns the results by rank. A worker
-    that raises or hangs fails the caller (hung processes are killed)."""
+def spawn(
+    fn: Callable[..., Any],
+    *args: Any,
+    world: int = 2,
+    env: dict[str, str] | None = None,
+    timeout: float = TIMEOUT_S,
+    backend: str = "gloo",
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` processes (``backend`` gloo on the CPU, or nccl
+    with one GPU per rank); returns the results by rank. A worker that raises or hangs fails
+    the caller (hung processes are killed)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory() as d:
         init = "file://" + os.path.join(d, "rendezvous")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init, q, args, env or {}), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, init, q, args, env or {}, backend), daemon=True) for r in range(world)
+        ]
         for p in procs:
             p.start()
         results: dict[int, Any] = {}

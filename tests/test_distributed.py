@@ -343,16 +343,25 @@ def _fsdp_train(m: torch.nn.Module, opt: Any, batches: list[torch.Tensor], rank:
 
 
 def _fsdp_worker(rank: int, world: int, ours: bool, kw: dict[str, Any], clip: str, dtype: torch.dtype) -> Any:
+    import tempfile
+
     import offload_adam
 
     m = _shard(_fsdp_model(dtype))
     cls = offload_adam.AdamW if ours else torch.optim.AdamW
+    kw = dict(kw)
+    nvme = tempfile.TemporaryDirectory() if kw.pop("nvme", False) else None
+    if nvme is not None:  # each rank its own run directory, here even its own nvme_dir
+        kw.update(offload="nvme", nvme_dir=nvme.name, bucket_mb=0.0005)
     opt = cls(m.parameters(), lr=1e-2, weight_decay=0.1, **kw)
     sched = torch.optim.lr_scheduler.StepLR(opt, 4, gamma=0.5)
     norms = _fsdp_train(m, opt, _fsdp_batches(12), rank, world, clip, sched)
     sd = opt.state_dict()
     kinds = sorted({f"{k}:{type(v).__name__}" for e in sd["state"].values() for k, v in e.items()})
     full = {k: v.full_tensor() for k, v in sd["state"][2].items() if k != "step"}  # Linear(16, 3).weight
+    if nvme is not None:
+        opt.close()
+        nvme.cleanup()
     return [p.full_tensor().float() for p in m.parameters()], norms, kinds, full
 
 
@@ -396,6 +405,16 @@ def test_fsdp2_streamed_shards_match_torch_adamw(kw: dict[str, Any]) -> None:
         torch.testing.assert_close(x, r, rtol=0, atol=1e-5)
     for x, r in zip(na, ref[0][1]):
         assert abs(x - r) <= 1e-5 * max(1.0, r)
+
+
+@pytest.mark.parametrize("env", [{}, STREAM], ids=["cpu-shards", "streamed-shards"])
+def test_fsdp2_on_the_nvme_tier_is_bitwise_the_ram_tier(env: dict[str, str]) -> None:
+    ram = spawn(_fsdp_worker, True, {}, "ours", torch.float32, env=env)
+    nvme = spawn(_fsdp_worker, True, {"nvme": True}, "ours", torch.float32, env=env)
+    for (wa, na, _, fa), (wb, nb, _, fb) in zip(ram, nvme):
+        assert all(torch.equal(x, y) for x, y in zip(wa, wb))
+        assert na == nb
+        assert all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
 def _dcp_worker(rank: int, world: int, phase: str, ckpt: str, how: dict[str, Any]) -> Any:
@@ -464,3 +483,54 @@ def test_fsdp2_checkpoint_of_2_ranks_loads_into_1_and_back(tmp_path: Any) -> Non
     back = spawn(_dcp_worker, "load", single, {})[0]
     for a, b in zip(straight, back):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+# -- NCCL (GPU machines with 2 GPUs or more) -------------------------------------------------------
+
+needs_2_gpus = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()),
+    reason="NCCL runs need 2 GPUs",
+)
+
+
+def _nccl_worker(rank: int, world: int, mode: str) -> list[torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import offload_adam
+
+    dev = torch.device("cuda", rank)
+    if mode == "ddp":
+        m = _model().to(dev)
+        model: Any = DDP(m, device_ids=[rank])
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-2)
+        offload_adam.register_ddp_hook(model, opt)
+        params = m.parameters
+    else:
+        from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+        m = _fsdp_model().to(dev)
+        kw = {"offload_policy": CPUOffloadPolicy()} if mode == "fsdp2-cpu-offload" else {}
+        for layer in m:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, **kw)
+        fully_shard(m, **kw)
+        model, params = m, m.parameters
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-2)
+    for x, y in _batches(world, STEPS):
+        x = x.to(dev)
+        if mode == "ddp":
+            loss = ((model(x[rank::world]) - y.to(dev)[rank::world]) ** 2).mean()
+        else:
+            loss = model(x[:, :8][rank::world]).float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu() for p in params()]
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2", "fsdp2-cpu-offload"])
+def test_nccl_runs_agree_across_ranks(mode: str) -> None:
+    a, b = spawn(_nccl_worker, mode, backend="nccl")
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

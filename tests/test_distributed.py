@@ -417,6 +417,39 @@ def test_fsdp2_on_the_nvme_tier_is_bitwise_the_ram_tier(env: dict[str, str]) -> 
         assert all(torch.equal(fa[k], fb[k]) for k in fa)
 
 
+def _scaler_worker(rank: int, world: int, ours: bool) -> Any:
+    """GradScaler over FSDP2: an inf in rank 1's shard at step 2 only."""
+    import offload_adam
+
+    m = _shard(_fsdp_model())
+    opt = offload_adam.AdamW(m.parameters(), lr=1e-2) if ours else torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    out = []
+    for t, x in enumerate(_fsdp_batches(5)):
+        scaler.scale(m(x[rank::world]).square().mean()).backward()
+        if t == 2 and rank == 1:
+            next(m.parameters()).grad._local_tensor[0, 0] = float("inf")  # type: ignore[union-attr]
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        opt_state = opt.state[next(m.parameters())]
+        out.append((scaler.get_scale(), float(opt_state["step"])))
+    opt.synchronize() if ours else None
+    return out, [p.full_tensor() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("env", [{}, STREAM], ids=["cpu-shards", "streamed-shards"])
+def test_fsdp2_grad_scaler_skips_on_every_rank_together(env: dict[str, str]) -> None:
+    (ra, wa), (rb, wb) = spawn(_scaler_worker, True, env=env)
+    assert ra == rb  # the same scale and step counts on both ranks: the inf step skipped by both
+    assert [s for _, s in ra] == [1.0, 2.0, 2.0, 3.0, 4.0] and ra[2][0] == ra[1][0] / 2
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb))
+    (ref, wr), _ = spawn(_scaler_worker, False)
+    assert ra == ref
+    for x, r in zip(wa, wr):
+        torch.testing.assert_close(x, r, rtol=0, atol=1e-5)
+
+
 def _dcp_worker(rank: int, world: int, phase: str, ckpt: str, how: dict[str, Any]) -> Any:
     """phase "save": 6 steps, a DCP checkpoint of model and optimizer, 6 more steps; "load": a
     fresh model and optimizer loaded from it, 6 steps. Returns the final full weights."""

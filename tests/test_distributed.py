@@ -503,6 +503,48 @@ def test_fsdp2_distributed_checkpoint_resumes_exactly(tmp_path: Any, how: dict[s
         assert torch.equal(a, b)
 
 
+def _ddp_dcp_worker(rank: int, world: int, phase: str, ckpt: str) -> list[torch.Tensor]:
+    """DDP: 10 steps with a DCP checkpoint of the optimizer after 5 ("save"), or a fresh
+    optimizer loaded from it, then 5 steps ("load")."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from offload_adam import AdamW
+
+    m = _model()
+    ddp = DDP(m)
+    opt = AdamW(ddp.parameters(), lr=1e-2)
+    data = _batches(world, 10)
+
+    def train(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for x, y in batches:
+            ((ddp(x[rank::world]) - y[rank::world]) ** 2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    if phase == "save":
+        train(data[:5])
+        dcp.save({"optim": get_optimizer_state_dict(ddp, opt), "model": m.state_dict()}, checkpoint_id=ckpt)
+        train(data[5:])
+    else:
+        sd = {"optim": get_optimizer_state_dict(ddp, opt), "model": m.state_dict()}
+        dcp.load(sd, checkpoint_id=ckpt)
+        m.load_state_dict(sd["model"])
+        set_optimizer_state_dict(ddp, opt, sd["optim"])
+        train(data[5:])
+    return [p.detach().clone() for p in m.parameters()]
+
+
+@pytest.mark.parametrize("env", [{}, STREAM], ids=["cpu", "streamed"])
+def test_ddp_distributed_checkpoint_resumes_exactly(tmp_path: Any, env: dict[str, str]) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    straight = spawn(_ddp_dcp_worker, "save", ckpt, env=env)
+    resumed = spawn(_ddp_dcp_worker, "load", ckpt, env=env)
+    for a, b in zip(straight, resumed):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def test_fsdp2_checkpoint_of_2_ranks_loads_into_1_and_back(tmp_path: Any) -> None:
     """DCP reshards: saved by 2 ranks, loaded by 1 (and a 1-rank checkpoint by 2), training
     continues on the same trajectory."""

@@ -638,57 +638,28 @@ mod tests {
             *b = (i * 7 % 251) as u8;
         }
         let crc = crc32c(a.buf(n));
-        let addr = a.buf(n).as_ptr() as usize;
-        eng.submit(&[Request {
-            write: true,
-            file: f,
-            addr,
-            len: n,
-            offset: 0,
-        }])
-        .unwrap()
-        .wait()
-        .unwrap();
+        let transfer = |write: bool, addr: usize, len: usize, offset: u64| {
+            let req = Request {
+                write,
+                file: f,
+                addr,
+                len,
+                offset,
+            };
+            eng.submit(&[req]).unwrap().wait()
+        };
+        transfer(true, a.buf(n).as_ptr() as usize, n, 0).unwrap();
         let mut b = Aligned::new(n);
         let addr = b.buf(n).as_ptr() as usize;
-        eng.submit(&[Request {
-            write: false,
-            file: f,
-            addr,
-            len: n,
-            offset: 0,
-        }])
-        .unwrap()
-        .wait()
-        .unwrap();
+        transfer(false, addr, n, 0).unwrap();
         assert_eq!(crc32c(b.buf(n)), crc);
         // A fault: the next read fails with the errno, naming the file.
         eng.inject_fault(false, libc::EIO, 0);
-        let e = eng
-            .submit(&[Request {
-                write: false,
-                file: f,
-                addr,
-                len: ALIGN,
-                offset: 0,
-            }])
-            .unwrap()
-            .wait()
-            .unwrap_err();
+        let e = transfer(false, addr, ALIGN, 0).unwrap_err();
         assert_eq!(e.errno, libc::EIO);
         assert!(e.message.contains("f.bin"), "{}", e.message);
         // Reading past the end is a truncation error, not silent zeros.
-        let e = eng
-            .submit(&[Request {
-                write: false,
-                file: f,
-                addr,
-                len: ALIGN,
-                offset: n as u64,
-            }])
-            .unwrap()
-            .wait()
-            .unwrap_err();
+        let e = transfer(false, addr, ALIGN, n as u64).unwrap_err();
         assert!(e.message.contains("truncated"), "{}", e.message);
         drop(eng);
         std::fs::remove_dir_all(&dir).unwrap();

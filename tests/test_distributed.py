@@ -3,6 +3,7 @@ optimizer, against torch's on the same data."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -91,7 +92,7 @@ def _ddp_hook_worker(rank: int, world: int, hook: bool, kw: dict[str, Any], ddp_
     for t in range(0, len(data), 2):
         before = dev.copied_bytes.get("d2h", 0)
         for j, (x, y) in enumerate(data[t : t + 2]):
-            with ddp.no_sync() if j == 0 else _nullcontext():
+            with ddp.no_sync() if j == 0 else contextlib.nullcontext():
                 (((ddp(x[rank::world]) - y[rank::world]) ** 2).mean() / 2).backward()
         torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
         opt.step()
@@ -102,25 +103,12 @@ def _ddp_hook_worker(rank: int, world: int, hook: bool, kw: dict[str, Any], ddp_
     return [p.detach().clone() for p in m.parameters()], per_step[1:], grad_bytes
 
 
-def _clipped_reference(world: int) -> list[torch.Tensor]:
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    data = _batches(world, STEPS)
-    for t in range(0, len(data), 2):
-        for x, y in data[t : t + 2]:
-            (sum(((m(x[r::world]) - y[r::world]) ** 2).mean() for r in range(world)) / world / 2).backward()
-        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-    return [p.detach().clone() for p in m.parameters()]
-
-
 @pytest.mark.parametrize(
     "kw, ddp_kw", [({}, {}), ({"async_step": True}, {}), ({}, {"gradient_as_bucket_view": True})],
     ids=["sync", "async", "bucket-view"],
 )  # fmt: skip
 def test_ddp_hook_copies_each_averaged_gradient_once(kw: dict[str, Any], ddp_kw: dict[str, Any]) -> None:
-    ref = _clipped_reference(2)
+    ref = _accumulated_reference(2, clip=0.5)
     out = spawn(_ddp_hook_worker, True, kw, ddp_kw, env=STREAM)
     _assert_same_on_ranks_and_close([w for w, _, _ in out], ref)
     for _, per_step, grad_bytes in out:
@@ -183,7 +171,7 @@ def _ddp_accumulate_worker(rank: int, world: int, kw: dict[str, Any], ddp_kw: di
     data = _batches(world, 2 * STEPS // 2)
     for t in range(0, len(data), 2):
         for j, (x, y) in enumerate(data[t : t + 2]):
-            ctx = ddp.no_sync() if j == 0 else _nullcontext()
+            ctx = ddp.no_sync() if j == 0 else contextlib.nullcontext()
             with ctx:
                 (((ddp(x[rank::world]) - y[rank::world]) ** 2).mean() / 2).backward()
         opt.step()
@@ -192,19 +180,16 @@ def _ddp_accumulate_worker(rank: int, world: int, kw: dict[str, Any], ddp_kw: di
     return [p.detach().clone() for p in m.parameters()]
 
 
-def _nullcontext() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()
-
-
-def _accumulated_reference(world: int) -> list[torch.Tensor]:
+def _accumulated_reference(world: int, clip: float | None = None) -> list[torch.Tensor]:
+    """torch.optim.AdamW in one process, two micro-batches per step (optionally clipped)."""
     m = _model()
     opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
     data = _batches(world, STEPS)
     for t in range(0, len(data), 2):
         for x, y in data[t : t + 2]:
             (sum(((m(x[r::world]) - y[r::world]) ** 2).mean() for r in range(world)) / world / 2).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in m.parameters()]

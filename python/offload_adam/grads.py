@@ -10,6 +10,11 @@ that change after their copy (``clip_grad_norm_`` on the model, a manual edit) a
 their version counter and copied again at the step. With ``free_gradients`` each device
 gradient is freed once its copy is queued; later micro-batches then add on the host, in the
 gradient's dtype with torch's rounding.
+
+A DTensor parameter (FSDP2 with shards on the device) is streamed by its local shard: the hook
+is on the DTensor, the gradient copied is its gradient's local shard. Under DDP with
+:func:`offload_adam.register_ddp_hook`, the hooks copy nothing: DDP's communication hook hands
+over each bucket of averaged gradients (:meth:`StreamedGrads.land_averaged`).
 """
 
 from __future__ import annotations

@@ -213,6 +213,27 @@ def test_streaming_checkpoint_resumes_exactly_in_any_tier(nvme_dir: str, tmp_pat
     b.close()
 
 
+def test_reading_checkpoints_writes_nothing_back(nvme_dir: str, tmp_path: Any) -> None:
+    """state_dict(), copies and save_state() read the paged state and give its memory back
+    without writing it again (no I/O, no wear); a later step still reads what is on disk."""
+    ps, qs = _params(), _params()
+    a = AdamW(_groups(ps), lr=1e-2, offload="nvme", nvme_dir=nvme_dir, bucket_mb=BUCKET_MB)
+    ram = AdamW(_groups(qs), lr=1e-2, bucket_mb=BUCKET_MB)
+    _train(a, ps, range(3))
+    _train(ram, qs, range(3))
+    io = a._engine.tier.io
+    written = io.bytes()[1]
+    a.state_dict()
+    copy.deepcopy(a).close()  # the copy writes its own files, in its own directory
+    a.save_state(str(tmp_path / "ckpt"))
+    assert io.bytes()[1] == written
+    assert sum(p.resident and not p.pinned for p in a._engine.tier.pages) <= a._engine.tier.read_ahead
+    _train(a, ps, range(3, 6))
+    _train(ram, qs, range(3, 6))
+    _assert_identical(a, ram, ps, qs)
+    a.close()
+
+
 def test_a_failed_checkpoint_write_leaves_the_previous_one(nvme_dir: str, tmp_path: Any) -> None:
     ps = _params()
     a = AdamW(_groups(ps), lr=1e-2, offload="nvme", nvme_dir=nvme_dir, bucket_mb=BUCKET_MB)
@@ -380,8 +401,8 @@ def test_sigkill_mid_step_then_resume_from_checkpoint(nvme_dir: str, tmp_path: A
                 p.grad = g
             tier = opt._engine.tier
             real = tier.release
-            def release(group, slots, copies_done=lambda: None):
-                real(group, slots, copies_done)
+            def release(group, slots, copies_done=lambda: None, wrote=True):
+                real(group, slots, copies_done, wrote)
                 os.kill(os.getpid(), signal.SIGKILL)  # after the first bucket of the step
             tier.release = release
             opt.step()

@@ -51,7 +51,9 @@ class EvictingTier(HostTier):
                     views[k].copy_(v)
             self.resident.add(key)
 
-    def release(self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = lambda: None) -> None:
+    def release(
+        self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = lambda: None, wrote: bool = True
+    ) -> None:
         self.calls.append(("release", len(slots)))
         copies_done()  # the copy-backs still read the masters
         for i in slots:

@@ -555,9 +555,10 @@ class Engine:
         r.param_version = r.param._version if from_checkpoint else -1
 
     @contextlib.contextmanager
-    def resident(self, only: tuple[GroupState, Sequence[int]] | None = None) -> Iterator[None]:
+    def resident(self, only: tuple[GroupState, Sequence[int]] | None = None, write: bool = True) -> Iterator[None]:
         """Every group's whole state resident (checkpoints, state written by other code), or
-        only these slots of one group (a streaming checkpoint, bucket by bucket)."""
+        only these slots of one group (a streaming checkpoint, bucket by bucket). ``write``
+        False: the caller only reads it (a paging tier then writes nothing back)."""
         parts = [(g, range(len(g))) for _, g in self.live_groups()] if only is None else [only]
         for g, slots in parts:
             self.tier.make_resident(g, slots)
@@ -565,7 +566,7 @@ class Engine:
             yield
         finally:
             for g, slots in parts:
-                self.tier.release(g, slots, self._wait_copy_backs)
+                self.tier.release(g, slots, self._wait_copy_backs, wrote=write)
             if only is None:
                 self.tier.end_step()
 

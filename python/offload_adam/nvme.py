@@ -320,12 +320,16 @@ class NvmeTier:
             with contextlib.suppress(ValueError):
                 self.writes.remove(p)
         if p.refs == 0 and not p.dirty and not keep:
-            if p.copies_done is not None:
-                p.copies_done()
-                p.copies_done = None
-            for buf in self._buffers(p.group).values():
-                _native.discard_memory(buf[p.start : p.end])
-            p.resident = False
+            self._evict(p)
+
+    def _evict(self, p: _Page) -> None:
+        """Gives a page's memory back to the OS, once the copy-backs reading it are done."""
+        if p.copies_done is not None:
+            p.copies_done()
+            p.copies_done = None
+        for buf in self._buffers(p.group).values():
+            _native.discard_memory(buf[p.start : p.end])
+        p.resident = False
 
     def _write(self, p: _Page) -> None:
         gi = self._gi(p.group)
@@ -364,14 +368,19 @@ class NvmeTier:
                 if k not in pages:
                     self._submit_read(k)
 
-    def release(self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = lambda: None) -> None:
+    def release(
+        self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = lambda: None, wrote: bool = True
+    ) -> None:
         for k in self._pages(group, slots):
             p = self.pages[k]
             p.refs -= 1
-            p.dirty = True
+            p.dirty = p.dirty or wrote
             if p.refs == 0 and not p.pinned:
                 p.copies_done = copies_done
-                self._write(p)
+                if p.dirty:
+                    self._write(p)
+                elif p.writing is None:  # only read (a checkpoint): the disk has it already
+                    self._evict(p)
 
     def end_step(self) -> None:
         """After a step: waits for the writes, retries failed ones, raises a write error."""

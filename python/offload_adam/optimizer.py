@@ -666,7 +666,7 @@ class Adam(Optimizer):
         self.synchronize()
         self._take_over()
         copy_all = not self._engine.tier.stable_views
-        with self._engine.resident():
+        with self._engine.resident(write=False):
             sd = super().state_dict()
             out = {}
             for k, v in sd["state"].items():
@@ -817,7 +817,7 @@ class Adam(Optimizer):
         w = checkpoint.Writer(file, layout, meta)
         try:
             for g, items in plan:
-                with eng.resident((g, [i for i, _, _ in items])):
+                with eng.resident((g, [i for i, _, _ in items]), write=False):
                     for i, pid, keys in items:
                         views = g.views(i)
                         for key in keys:
@@ -907,7 +907,7 @@ class Adam(Optimizer):
         self.synchronize()
         self._take_over()
         copy_all = not self._engine.tier.stable_views
-        with self._engine.resident():
+        with self._engine.resident(write=False):
             state = {
                 k: {kk: vv.clone() if copy_all and isinstance(vv, Tensor) else vv for kk, vv in v.items()}
                 if isinstance(v, dict)

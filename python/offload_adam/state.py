@@ -269,7 +269,8 @@ class Tier(Protocol):
     """Where a group's state lives between steps (see the module documentation).
 
     The engine calls ``make_resident(group, slots)`` before it reads or writes those slots'
-    state (moments, amsgrad maximum, masters) and ``release(group, slots, copies_done)`` after.
+    state (moments, amsgrad maximum, masters) and ``release(group, slots, copies_done, wrote)``
+    after (``wrote`` False: the state was only read, a checkpoint).
     Copies back to the device may still be reading the masters (and bf16/fp16 landing slots)
     when ``release`` is called: a tier calls ``copies_done()`` (a host wait) before it reuses
     that memory."""
@@ -295,7 +296,9 @@ class Tier(Protocol):
 
     def make_resident(self, group: GroupState, slots: Sequence[int]) -> None: ...
 
-    def release(self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies) -> None: ...
+    def release(
+        self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies, wrote: bool = True
+    ) -> None: ...
 
 
 class HostTier:
@@ -324,5 +327,7 @@ class HostTier:
     def make_resident(self, group: GroupState, slots: Sequence[int]) -> None:
         pass
 
-    def release(self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies) -> None:
+    def release(
+        self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies, wrote: bool = True
+    ) -> None:
         pass

@@ -31,7 +31,7 @@ from . import _native, testing
 from .device import CudaDevice, Device
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
 from .simdevice import shared_device
-from .state import GroupState, HostTier, Tier
+from .state import GroupState, HostTier, Tier, is_dtensor
 
 # A param group's hyper-parameters as the kernel takes them:
 # (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).
@@ -66,10 +66,6 @@ class _ReadRecorder(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _is_dtensor(p: Tensor) -> bool:
-    return type(p).__name__ == "DTensor" and hasattr(p, "_local_tensor")
-
-
 def _check_local(loc: Any, name: str) -> None:
     if not isinstance(loc, Tensor) or type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__:
         raise TypeError(f"{name}: the DTensor's local shard is a {type(loc).__name__}, not a plain tensor")
@@ -79,11 +75,11 @@ def _local_shards(params: list[Tensor], names: list[str]) -> tuple[list[Tensor],
     """The tensors the kernel steps: a DTensor parameter's local shard (FSDP2 keeps its shard of
     every parameter as one), others themselves; and the parameters as given (None if no
     DTensor is among them)."""
-    if not any(_is_dtensor(p) for p in params):
+    if not any(is_dtensor(p) for p in params):
         return params, None
     out = []
     for p, name in zip(params, names):
-        if _is_dtensor(p):
+        if is_dtensor(p):
             if any(pl.is_partial() for pl in p.placements):  # type: ignore[attr-defined]
                 raise ValueError(f"{name}: a DTensor with a Partial placement has no values of its own to update")
             loc = p._local_tensor  # type: ignore[attr-defined]

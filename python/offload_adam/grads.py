@@ -30,13 +30,13 @@ from torch import Tensor
 
 from . import _native
 from .device import Device
-from .state import GroupState
+from .state import GroupState, same_sharding
 
 
 def check_shard_grad(k: Tensor, grad: Tensor, name: str) -> None:
     """A DTensor parameter's gradient must be a DTensor of its mesh and placements: its local
     shard is what the kernel reads in place of the parameter's gradient."""
-    if type(grad) is not type(k) or grad.placements != k.placements or grad.device_mesh != k.device_mesh:  # type: ignore[attr-defined]
+    if not same_sharding(grad, k):
         raise TypeError(
             f"{name}: the gradient of a DTensor parameter must be a DTensor with its mesh and placements, "
             f"got {type(grad).__name__}" + (f" with placements {grad.placements}" if hasattr(grad, "placements") else "")

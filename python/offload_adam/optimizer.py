@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from . import _native, checkpoint
 from .engine import Engine, Hyper
 from .nvme import NvmeTier
-from .state import STATE_KEYS, GroupState, HostTier
+from .state import STATE_KEYS, GroupState, HostTier, is_dtensor, same_sharding
 
 __all__ = ["Adam", "AdamW"]
 
@@ -419,7 +419,7 @@ class Adam(Optimizer):
                 group["param_names"] = [names[id(p)] for p in unique]
         for i, p in enumerate(group["params"]):
             name = self._name(group, gi, i)
-            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__ and type(p).__name__ != "DTensor":
+            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__ and not is_dtensor(p):
                 # A wrapper subclass has no memory of its own to update in place; a DTensor
                 # (FSDP2) is stepped through its local shard.
                 raise TypeError(
@@ -945,11 +945,9 @@ class Adam(Optimizer):
 def _local(t: Any, key: Tensor | None = None, what: str = "") -> Any:
     """A DTensor's local shard (checked against the parameter ``key``'s mesh and placements when
     given); anything else as it is."""
-    if type(t).__name__ != "DTensor" or not hasattr(t, "_local_tensor"):
+    if not is_dtensor(t):
         return t
-    if key is not None and (
-        type(key) is not type(t) or t.placements != key.placements or t.device_mesh != key.device_mesh  # type: ignore[attr-defined]
-    ):
+    if key is not None and not same_sharding(t, key):
         raise ValueError(
             f"{what}: a DTensor with placements {t.placements} does not match its parameter's "  # type: ignore[attr-defined]
             f"{getattr(key, 'placements', 'plain tensor')}"

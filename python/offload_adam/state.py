@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -28,6 +28,19 @@ KINDS = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ALIGN = _native.LANES  # slots start on a SIMD block boundary
 STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's parameters), without importing torch.distributed."""
+    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
+
+
+def same_sharding(t: Any, key: Tensor) -> bool:
+    """Whether ``t`` is a DTensor of the DTensor parameter ``key``'s mesh and placements, so that
+    its local shard lines up with ``key``'s."""
+    return (
+        is_dtensor(t) and is_dtensor(key) and t.placements == key.placements and t.device_mesh == key.device_mesh  # type: ignore[attr-defined]
+    )
 
 
 def _aligned(n: int) -> int:

@@ -20,7 +20,6 @@ import io
 import json
 import os
 import struct
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,15 +42,15 @@ class Entry:
     end: int
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if isinstance(x, Tensor):
         return x.item() if x.numel() == 1 else x.tolist()
     if isinstance(x, tuple):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, list):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (bool, int, float, str)) or x is None:
         return x
     raise TypeError(f"param group value {x!r} cannot be stored in a checkpoint")
@@ -162,7 +161,3 @@ class Reader:
 
     def close(self) -> None:
         self.f.close()
-
-
-def names(pid: int, keys: Iterator[str] | list[str]) -> list[str]:
-    return [f"state.{pid}.{k}" for k in keys]

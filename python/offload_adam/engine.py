@@ -249,12 +249,13 @@ class Engine:
         order. A chunk that fails is untouched, those before it fully updated; the next step
         does the chunks this one did not (unless ``zero_grad`` came between), as the streamed
         path gives back the buckets a failed step did not do."""
-        whole = [(gi, g) for gi, g in direct if self.tier.chunks(g) is None]
+        chunks = [(gi, g, self.tier.chunks(g)) for gi, g in direct]
+        whole = [(gi, g) for gi, g, ch in chunks if ch is None]
         calls: list[tuple[list[tuple[int, GroupState]], list[list[int]] | None, tuple[int, int]]] = []
         if whole:
             calls.append((whole, None, (-1, 0)))
-        for gi, g in direct:
-            for rng in self.tier.chunks(g) or []:
+        for gi, g, ch in chunks:
+            for rng in ch or []:
                 calls.append(([(gi, g)], [list(rng)], (gi, rng.start)))
         if self._direct_left is not None:
             calls = [c for c in calls if c[2] in self._direct_left]
@@ -297,7 +298,7 @@ class Engine:
         bound: list[Tensor] = []
         try:
             for _, g in self.live_groups():
-                if g.streamed or not any(g.dtensor):
+                if g.streamed or not g.has_dtensor:
                     continue  # streamed shards: their gradients come through StreamedGrads
                 for i, k in enumerate(g.keys):
                     if not g.dtensor[i]:
@@ -323,7 +324,7 @@ class Engine:
     def _io_stats(self, before: dict[str, float] | None = None) -> dict[str, float]:
         """The tier's I/O counters (bytes read and written, seconds waited for I/O), or their
         change since ``before``."""
-        now = dict(getattr(self.tier, "stats", {}))
+        now = dict(self.tier.stats)
         return now if before is None else {k: v - before.get(k, 0.0) for k, v in now.items()}
 
     def _step_streamed(

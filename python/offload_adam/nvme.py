@@ -49,7 +49,6 @@ ALIGN = 4096  # bytes: O_DIRECT alignment of buffers, lengths and file offsets
 PAGE_ALIGN = 2048  # elements: 4096 bytes of a 2-byte state, 8192 of a 4-byte one
 RUN_PREFIX = "offload-adam-run-"
 LOCK = "LOCK"
-PAGED_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master")
 
 
 def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
@@ -124,6 +123,7 @@ def _cleanup(path: str, lock: Any, engine: Any) -> None:
 @dataclass
 class _Page:
     group: GroupState
+    gi: int  # the group's index in the tier (its files)
     index: int  # its bucket in the group
     start: int  # first element in each buffer
     end: int
@@ -210,7 +210,7 @@ class NvmeTier:
             pinned = self.used_budget + nbytes <= self.budget
             if pinned:
                 self.used_budget += nbytes
-            pages.append(_Page(group, k, start, end, pinned))
+            pages.append(_Page(group, gi, k, start, end, pinned))
             for i in rng:
                 slot_page[i] = first + k
         need = sum((p.end - p.start) * per_elem for p in pages if not p.pinned)
@@ -243,12 +243,6 @@ class NvmeTier:
         bufs = {"exp_avg": group.exp_avg, "exp_avg_sq": group.exp_avg_sq, "max_exp_avg_sq": group.max_exp_avg_sq, "master": group.master}
         return {k: b for k, b in bufs.items() if b is not None}
 
-    def _gi(self, group: GroupState) -> int:
-        for gi, g in enumerate(self.groups):
-            if g is group:
-                return gi
-        raise KeyError("group not attached")
-
     # -- paging ---------------------------------------------------------------------------------
 
     def _pages(self, group: GroupState, slots: Sequence[int]) -> list[int]:
@@ -262,7 +256,7 @@ class NvmeTier:
         if p.writing is not None:  # its memory still holds the state: keep it
             self._finish_write(p, keep=True)
             return
-        gi = self._gi(p.group)
+        gi = p.gi
         reqs = []
         for key, buf in self._buffers(p.group).items():
             view = buf[p.start : p.end]
@@ -276,7 +270,7 @@ class NvmeTier:
 
     def _finish_read(self, p: _Page) -> None:
         t0 = time.perf_counter()
-        gi = self._gi(p.group)
+        gi = p.gi
         try:
             if p.reading is not None:
                 t, p.reading = p.reading, None
@@ -332,7 +326,7 @@ class NvmeTier:
         p.resident = False
 
     def _write(self, p: _Page) -> None:
-        gi = self._gi(p.group)
+        gi = p.gi
         reqs = []
         crcs = {}
         for key, buf in self._buffers(p.group).items():

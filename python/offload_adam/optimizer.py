@@ -810,7 +810,7 @@ class Adam(Optimizer):
                     plan.append((g, items))
         meta = {
             "format": checkpoint.FORMAT,
-            "param_groups": json.dumps(checkpoint._jsonable(packed)),
+            "param_groups": json.dumps(checkpoint.jsonable(packed)),
             "complex": json.dumps(complex_ids),
         }
         file = os.path.join(path, checkpoint.FILE)

@@ -13,8 +13,9 @@ a tier that keeps state elsewhere (NVMe) pages it in and out without the engine 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import torch
@@ -137,6 +138,7 @@ class GroupState:
         # DTensor (FSDP2) the DTensor whose local shard `params[i]` is.
         self.keys = list(keys) if keys is not None else self.params
         self.dtensor = [k is not p for k, p in zip(self.keys, self.params)]
+        self.has_dtensor = keys is not None  # known once: the step checks it per group
         self.names = names
         self.device = device
         self.streamed = device is not None
@@ -293,6 +295,11 @@ class Tier(Protocol):
     batch_bytes: int  # gradient bytes of offloaded buckets stepped in one native call
     state_alloc: Callable[[int, torch.dtype], Tensor] | None  # allocates the state buffers
 
+    @property
+    def stats(self) -> Mapping[str, float]:
+        """Running I/O counters: bytes read and written, seconds waited for the disk."""
+        ...
+
     def attach(self, group: GroupState) -> None: ...
 
     def chunks(self, group: GroupState) -> list[range] | None:
@@ -321,6 +328,7 @@ class HostTier:
     page_align = _ALIGN
     batch_bytes = 256 << 20
     state_alloc: Callable[[int, torch.dtype], Tensor] | None = None
+    stats: Mapping[str, float] = MappingProxyType({})  # no I/O
 
     def chunks(self, group: GroupState) -> list[range] | None:
         return None

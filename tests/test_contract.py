@@ -57,6 +57,31 @@ def test_a_source_partly_aliasing_other_slots_loads_correctly(streamed: bool) ->
         assert float(ours.state[p]["step"]) == float(want["state"][i]["step"])
 
 
+def test_a_state_dict_held_while_training_goes_on_stays_consistent(streamed: bool) -> None:
+    """torch's `state_dict()` entries are the very dicts `opt.state` holds, whose tensors (step
+    included) are the live state: a state dict held while training continues shows one
+    consistent step (moments of step 5 with a step count of 5), as torch's. Ours used to hand
+    out live moments beside a frozen step count: moments of step 5 with step 3."""
+    ps = make_params()
+    qs = clone_params(ps)
+    ours = AdamW(ps, lr=1e-3)
+    ref = torch.optim.AdamW(qs, lr=1e-3, foreach=False)
+    run_twins(ours, ref, ps, qs, 3)
+    held = {"ours": ours.state_dict(), "torch": ref.state_dict()}
+    run_twins(ours, ref, ps, qs, 2)
+    for name, opt, params in (("ours", ours, ps), ("torch", ref, qs)):
+        sd = held[name]
+        for i, p in enumerate(params):
+            if p not in opt.state:
+                continue
+            assert sd["state"][i] is opt.state[p], name  # the same entry object
+            assert float(sd["state"][i]["step"]) == 5.0, name
+            assert torch.equal(sd["state"][i]["exp_avg"], opt.state[p]["exp_avg"]), name
+    for i in held["torch"]["state"]:
+        a, b = held["ours"]["state"][i], held["torch"]["state"][i]
+        torch.testing.assert_close(a["exp_avg"], b["exp_avg"], rtol=1e-4, atol=1e-7)
+
+
 def test_betas_loaded_as_a_list_train_on(streamed: bool) -> None:
     """A checkpoint whose betas went through JSON/YAML (or DCP's full state dict) has a list."""
     ps = make_params()

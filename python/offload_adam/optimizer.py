@@ -9,17 +9,19 @@ are views into them, so ``state_dict()`` has torch's format), and one
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import math
 import os
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils import _pytree
 
 from . import _native, checkpoint
 from .engine import Engine, Hyper
@@ -137,7 +139,27 @@ class _Entry(dict):  # type: ignore[type-arg]
         super().clear()
 
     def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
+        # `state_dict()` hands out these very entries, as torch hands out its state's dicts:
+        # pickled (torch.save) as an OrderedDict, which torch.load's weights-only unpickler
+        # accepts (it refuses a dict subclass rebuilt through `dict`).
+        return (OrderedDict, (list(self.items()),))
+
+    def __copy__(self) -> dict[Any, Any]:
+        return dict(self)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[Any, Any]:
+        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+
+
+# torch's pytree (torch.distributed.checkpoint walks state dicts with it) sees an entry as the
+# dict it is; without this a dict subclass would be a leaf, its tensors invisible.
+_pytree.register_pytree_node(
+    _Entry,
+    _pytree._dict_flatten,
+    _pytree._dict_unflatten,
+    serialized_type_name="offload_adam.optimizer._Entry",
+    flatten_with_keys_fn=_pytree._dict_flatten_with_keys,
+)
 
 
 class _State(defaultdict):  # type: ignore[type-arg]
@@ -660,20 +682,20 @@ class Adam(Optimizer):
         st.dirty = False
 
     def state_dict(self) -> dict[str, Any]:
-        """torch's format. Moment tensors are views of this optimizer's buffers (as torch returns
-        its own tensors; copies where the tier's views do not stay valid between steps);
-        ``step`` is a fresh tensor."""
+        """torch's format, aliasing the live state as torch's does: each parameter's entry is the
+        very dict ``optimizer.state[p]`` holds, its tensors (``step`` included) views of this
+        optimizer's buffers, so a state dict held while training goes on stays consistent. Where
+        the tier's views do not stay valid between steps (``offload="nvme"``), copies."""
         self.synchronize()
         self._take_over()
-        copy_all = not self._engine.tier.stable_views
+        if self._engine.tier.stable_views:
+            return super().state_dict()
         with self._engine.resident(write=False):
             sd = super().state_dict()
-            out = {}
-            for k, v in sd["state"].items():
-                if isinstance(v, dict):
-                    v = {kk: vv.clone() if isinstance(vv, Tensor) and (copy_all or kk == "step") else vv for kk, vv in v.items()}
-                out[k] = v
-        sd["state"] = out
+            sd["state"] = {
+                k: {kk: vv.clone() if isinstance(vv, Tensor) else vv for kk, vv in v.items()} if isinstance(v, dict) else v
+                for k, v in sd["state"].items()
+            }
         return sd
 
     def _merge_groups(self, saved_groups: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[Any, tuple[int, int]]]:

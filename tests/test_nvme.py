@@ -20,7 +20,7 @@ import torch
 from helpers import clone_params
 
 from offload_adam import AdamW, _native, testing
-from offload_adam.nvme import RUN_PREFIX, remove_stale_runs, stale_runs
+from offload_adam.optim.tier_nvme import RUN_PREFIX, remove_stale_runs, stale_runs
 
 SHAPES = [(300, 200), (7,), (5000,), (64, 64), (1,), (100, 100), (3, 5, 7)]
 BUCKET_MB = 0.05  # several buckets (pages) for these shapes
@@ -294,7 +294,7 @@ def test_files_removed_at_interpreter_exit_and_killed_runs_reported(nvme_dir: st
 
 
 def test_free_space_is_checked_before_training(nvme_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import offload_adam.nvme as nvme
+    import offload_adam.optim.tier_nvme as nvme
 
     real = nvme.shutil.disk_usage
     monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))

@@ -18,7 +18,7 @@ from helpers import max_diff
 from test_streaming import Net, assert_same_weights, batches, loss_of, twins
 
 from offload_adam import AdamW, testing
-from offload_adam.simdevice import SimulatedDevice
+from offload_adam.testing.simdevice import SimulatedDevice
 
 SEEDS = [0, 1, 2]
 

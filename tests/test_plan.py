@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_adam import AdamW, testing
-from offload_adam.plan import main, optimizer_host_bytes
+from offload_adam.tools.plan import main, optimizer_host_bytes
 
 
 def _model(dtype: torch.dtype) -> torch.nn.Module:

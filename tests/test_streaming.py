@@ -16,7 +16,7 @@ from helpers import max_diff
 
 import offload_adam
 from offload_adam import AdamW, testing
-from offload_adam.simdevice import SimulatedDevice
+from offload_adam.testing.simdevice import SimulatedDevice
 
 TOL = 2e-5
 SEEDS = [0, 1, 2]

@@ -120,7 +120,7 @@ class NvmeStep:
     def setup(self, numel: int, state_dtype: str) -> None:
         import tempfile
 
-        from offload_adam.nvme_bench import raw_bandwidth
+        from offload_adam.tools.nvme_bench import raw_bandwidth
 
         self.dir = tempfile.TemporaryDirectory(prefix="offload-adam-asv-")
         self.raw = raw_bandwidth(self.dir.name, 256 << 20, rounds=1)

@@ -8,9 +8,9 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _native
-from .ddp import register_ddp_hook
-from .nvme import remove_stale_runs, stale_runs
-from .optimizer import Adam, AdamW
+from .optim.ddp import register_ddp_hook
+from .optim.tier_nvme import remove_stale_runs, stale_runs
+from .optim.optimizer import Adam, AdamW
 from .testing import force_streaming as streaming_forced
 
 try:

@@ -11,11 +11,11 @@ def main(argv: list[str]) -> int:
         print("usage: python -m offload_adam {bench,plan} [--help | options]")
         return 0 if argv else 2
     if argv[0] == "bench":
-        from .bench import main as bench
+        from .tools.bench import main as bench
 
         return bench(argv[1:])
     if argv[0] == "plan":
-        from .plan import main as plan
+        from .tools.plan import main as plan
 
         return plan(argv[1:])
     print(f"unknown command {argv[0]!r}; try: python -m offload_adam bench --help, or plan --help", file=sys.stderr)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import _native, testing
-from .optimizer import AdamW
+from .. import _native, testing
+from ..optim.optimizer import AdamW
 
 BYTES_PER_PARAM = 28
 Shapes = list[tuple[int, ...]]

@@ -23,9 +23,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils import _pytree
 
-from . import _native, checkpoint
+from .. import _native
+from . import checkpoint
 from .engine import Engine, Hyper
-from .nvme import NvmeTier
+from .tier_nvme import NvmeTier
 from .state import STATE_KEYS, GroupState, HostTier, is_dtensor, same_sharding
 
 __all__ = ["Adam", "AdamW"]

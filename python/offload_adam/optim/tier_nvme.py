@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _native
+from .. import _native
 from .state import GroupState
 
 log = logging.getLogger("offload_adam")

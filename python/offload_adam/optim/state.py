@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from . import _native
-from .device import Device
+from .. import _native
+from ..runtime.device import Device
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)

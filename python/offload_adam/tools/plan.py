@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .nvme import PAGE_ALIGN
-from .state import layout
+from ..optim.tier_nvme import PAGE_ALIGN
+from ..optim.state import layout
 
 GB = 1 << 30
 

@@ -26,7 +26,7 @@ def _worker(rank: int, world: int, init: str, rounds: int, threads: int, scale: 
     from torch.distributed.tensor import DTensor
 
     from .bench import gpt2_small_shapes
-    from .optimizer import AdamW
+    from ..optim.optimizer import AdamW
 
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _native
-from .device import Device
+from .. import _native
+from ..runtime.device import Device
 from .state import GroupState, same_sharding
 
 

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from . import _native
-from .nvme import aligned_empty
-from .optimizer import AdamW
+from .. import _native
+from ..optim.tier_nvme import aligned_empty
+from ..optim.optimizer import AdamW
 
 
 def raw_bandwidth(directory: str, nbytes: int, rounds: int = 3, request: int = 8 << 20) -> dict[str, Any]:

@@ -27,10 +27,10 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from . import _native, testing
-from .device import CudaDevice, Device
+from .. import _native, testing
+from ..runtime.device import CudaDevice, Device
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
-from .simdevice import shared_device
+from ..testing.simdevice import shared_device
 from .state import GroupState, HostTier, Tier, is_dtensor
 
 # A param group's hyper-parameters as the kernel takes them:

@@ -150,8 +150,21 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--json")
-    ap.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
+    ap.add_argument(
+        "--device", default="cuda",
+        help="cuda; cpu only to smoke-test this script (offload_adam then streams through its simulated device)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.device == "cpu":
+        from offload_adam import testing
+
+        with testing.simulated_device(max_delay_s=0.0, lazy=False, keep_open=True):
+            run(args)
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     base = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(torch.bfloat16)
     n = sum(p.numel() for p in base.parameters())

@@ -10,7 +10,7 @@ host memory, gradients streamed during backward, weights streamed back); the scr
 prints the GPU memory each optimizer needed and the offload's time breakdown.
 
     python examples/train_gpt.py [--steps 250] [--device auto|cpu|cuda] [--async-step]
-                                 [--plot breakdown.png]
+                                 [--plot breakdown.png] [--simulate]
 """
 
 from __future__ import annotations
@@ -98,7 +98,21 @@ def main() -> None:
     ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme"], help="where the optimizer state lives")
     ap.add_argument("--nvme-dir", help="--offload nvme: the directory (on an SSD) that holds the state")
     ap.add_argument("--host-budget-gb", type=float, default=0.0, help="--offload nvme: state kept in RAM")
+    ap.add_argument(
+        "--simulate", action="store_true",
+        help="on the CPU, stream as to a GPU: through offload_adam.testing's simulated device (no delays)",
+    )  # fmt: skip
     args = ap.parse_args()
+    if args.simulate:
+        from offload_adam import testing
+
+        with testing.simulated_device(max_delay_s=0.0, lazy=False, keep_open=True):
+            run(args)
+    else:
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu"))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

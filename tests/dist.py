@@ -5,6 +5,7 @@ import them."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import multiprocessing as mp
 import os
@@ -16,6 +17,15 @@ from typing import Any
 import torch
 
 TIMEOUT_S = 120.0
+# In `env`: the worker's optimizers stream their CPU parameters through a simulated device
+# (no delays, immediate waits), as offloaded CUDA parameters would.
+SIMULATE = "OFFLOAD_ADAM_TEST_SIMULATE"
+
+
+def _simulated() -> Any:
+    from offload_adam import testing
+
+    return testing.simulated_device(max_delay_s=0.0, lazy=False)
 
 
 def _entry(
@@ -30,7 +40,8 @@ def _entry(
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         try:
-            out = fn(rank, world, *args)
+            with _simulated() if env.get(SIMULATE) else contextlib.nullcontext():
+                out = fn(rank, world, *args)
         finally:
             dist.destroy_process_group()
         buf = io.BytesIO()

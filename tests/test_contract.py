@@ -3,23 +3,26 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 from helpers import assert_state_close, clone_params, make_params, max_diff, run_twins
 
-from offload_adam import AdamW
+from offload_adam import AdamW, testing
 
 STREAMING = [False, True]
 
 
 @pytest.fixture(params=STREAMING, ids=["direct", "streamed"])
-def streamed(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
-    if request.param:
-        monkeypatch.setenv("OFFLOAD_ADAM_FORCE_STREAMING", "1")
-    return bool(request.param)
+def streamed(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Streamed: the optimizers stream their CPU parameters through a simulated device without
+    delays whose waits are immediate."""
+    with testing.simulated_device(max_delay_s=0.0, lazy=False) if request.param else contextlib.nullcontext():
+        yield bool(request.param)
 
 
 def test_loading_its_own_state_dict_keeps_the_state(streamed: bool) -> None:

@@ -9,14 +9,14 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from dist import spawn
+from dist import SIMULATE, spawn
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
 )
 
 STEPS = 20
-STREAM = {"OFFLOAD_ADAM_FORCE_STREAMING": "1"}
+STREAM = {SIMULATE: "1"}
 
 
 def _model() -> torch.nn.Module:

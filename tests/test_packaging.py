@@ -61,19 +61,13 @@ def test_main_job_runs_plots_and_reports_agreement(tmp_path: Path) -> None:
     out = _run_example(["examples/train_gpt.py", *small, "--plot", str(tmp_path / "a.png")])
     assert "loss curves agree" in out and (tmp_path / "a.png").stat().st_size > 1000
     # the offload path, on CPU parameters through the streaming machinery
-    out = _run_example(
-        ["examples/train_gpt.py", *small, "--async-step", "--plot", str(tmp_path / "b.png")],
-        {"OFFLOAD_ADAM_FORCE_STREAMING": "1"},
-    )
+    out = _run_example(["examples/train_gpt.py", *small, "--async-step", "--simulate", "--plot", str(tmp_path / "b.png")])
     assert "offload breakdown per step" in out and "loss curves agree" in out
 
 
 def test_gpu_benchmark_script_smoke_on_cpu(tmp_path: Path) -> None:
     tiny = ["--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "50", "--ctx", "16"]
-    out = _run_example(
-        ["examples/gpu_bench.py", *tiny, "--batch", "2", "--steps", "3", "--json", str(tmp_path / "g.json")],
-        {"OFFLOAD_ADAM_FORCE_STREAMING": "1"},
-    )
+    out = _run_example(["examples/gpu_bench.py", *tiny, "--batch", "2", "--steps", "3", "--json", str(tmp_path / "g.json")])
     res = json.loads((tmp_path / "g.json").read_text())
     assert {"offload_adam", "offload_adam async_step"} <= set(res["results"])
     assert "cpu_step_s" in res["results"]["offload_adam"]

@@ -6,6 +6,8 @@ stream are honoured lazily, and memory freed under a queued copy is poisoned wit
 from __future__ import annotations
 
 import copy
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -14,8 +16,8 @@ import pytest
 import torch
 from helpers import max_diff
 
-import offload_adam
 from offload_adam import AdamW, testing
+from offload_adam.runtime.device import device_for
 from offload_adam.testing.simdevice import SimulatedDevice
 
 TOL = 2e-5
@@ -388,9 +390,14 @@ def test_profiler_sees_named_ranges() -> None:
     assert {"offload_adam.d2h", "offload_adam.cpu_step", "offload_adam.h2d"} <= names
 
 
-def test_streaming_is_reported_by_the_package() -> None:
-    assert offload_adam.streaming_forced()
-    assert testing.active_device() is not None
+def test_streaming_is_reported_by_the_package(sim: SimulatedDevice) -> None:
+    """Inside `testing.simulated_device()` the runtime streams CPU tensors through it; outside,
+    and in the product's own imports, there is no simulator."""
+    assert device_for(torch.device("cpu")) is sim
+    assert testing.active_device() is sim
+    code = "import sys, offload_adam; print(sorted(m for m in sys.modules if m.startswith('offload_adam.testing')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.mark.cuda

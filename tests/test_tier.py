@@ -70,17 +70,24 @@ def mode(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
 
 
-def evicting(factory: Callable[[], Any]) -> tuple[Any, EvictingTier]:
-    tier = EvictingTier()
-    with testing.engine_hooks(tier=lambda: tier):
-        return factory(), tier
+class EvictingAdamW(AdamW):
+    """AdamW whose state lives in an :class:`EvictingTier` (a copy gets one of its own)."""
+
+    def _make_tier(self, config: dict[str, Any]) -> EvictingTier:
+        self.tier = EvictingTier()
+        return self.tier
+
+
+def evicting(**kw: Any) -> tuple[EvictingAdamW, EvictingTier]:
+    opt = EvictingAdamW(**kw)
+    return opt, opt.tier
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_training_through_an_evicting_tier_matches_torch(mode: str, dtype: torch.dtype) -> None:
     ps = make_params(dtype=dtype)
     qs = clone_params(ps, torch.float32)
-    ours, tier = evicting(lambda: AdamW(ps, lr=1e-3, weight_decay=0.1, amsgrad=True))
+    ours, tier = evicting(params=ps, lr=1e-3, weight_decay=0.1, amsgrad=True)
     ref = torch.optim.AdamW(qs, lr=1e-3, weight_decay=0.1, amsgrad=True, foreach=False)
     run_twins(ours, ref, ps, qs, 30)
     ours.synchronize()
@@ -101,7 +108,7 @@ def test_training_through_an_evicting_tier_matches_torch(mode: str, dtype: torch
 def test_checkpoints_round_trip_through_an_evicting_tier(mode: str) -> None:
     ps = make_params()
     qs = clone_params(ps)
-    ours, tier = evicting(lambda: AdamW(ps, lr=1e-3, amsgrad=True))
+    ours, tier = evicting(params=ps, lr=1e-3, amsgrad=True)
     ref = torch.optim.AdamW(qs, lr=1e-3, amsgrad=True, foreach=False)
     run_twins(ours, ref, ps, qs, 5)
     sd = copy.deepcopy(ours.state_dict())

@@ -11,7 +11,6 @@ from . import _native
 from .optim.ddp import register_ddp_hook
 from .optim.tier_nvme import remove_stale_runs, stale_runs
 from .optim.optimizer import Adam, AdamW
-from .testing import force_streaming as streaming_forced
 
 try:
     __version__ = version("offload-adam")
@@ -29,4 +28,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["Adam", "AdamW", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "streaming_forced", "__version__"]
+__all__ = ["Adam", "AdamW", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]

@@ -19,7 +19,8 @@ import contextlib
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,15 +28,26 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
-from .. import _native, testing
-from ..runtime.device import CudaDevice, Device
+from .. import _native
+from ..runtime.device import Device, device_for
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
-from ..testing.simdevice import shared_device
 from .state import GroupState, HostTier, Tier, is_dtensor
 
 # A param group's hyper-parameters as the kernel takes them:
 # (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).
 Hyper = tuple[float, float, float, float, float, bool, bool, bool]
+
+
+@dataclass(frozen=True)
+class EngineHooks:
+    """Seams of the engine for tests (``offload_adam.testing.engine_hooks`` sets them for the
+    optimizers built inside); the product sets none."""
+
+    before_bucket: Callable[[int], None] | None = None  # called with the bucket's index in the step
+    start_worker: Callable[[threading.Thread], None] | None = None  # starts the worker thread
+
+
+HOOKS: ContextVar[EngineHooks] = ContextVar("offload_adam_engine_hooks", default=EngineHooks())
 
 
 @dataclass
@@ -108,8 +120,8 @@ class Engine:
         self.async_step = async_step
         self.free_gradients = free_gradients
         self.bucket_bytes = bucket_bytes
-        self.hooks = testing.active_hooks()
-        self.tier: Tier = self.hooks.tier() if self.hooks.tier is not None else (tier or HostTier())
+        self.hooks = HOOKS.get()
+        self.tier: Tier = tier or HostTier()
         self.groups: list[GroupState | None] = []  # None: parameters still on the meta device
         self._deferred: dict[int, tuple[list[Tensor], list[str], torch.dtype, bool]] = {}
         self.device: Device | None = None
@@ -136,21 +148,19 @@ class Engine:
     # -- groups ---------------------------------------------------------------------------------
 
     def _device_for(self, dev: torch.device, gi: int) -> Device | None:
-        if dev.type == "cuda":
-            if self.device is not None and self.device.torch_device != dev:
-                raise ValueError(
-                    f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
-                    f"{self.device.torch_device}; use one optimizer per GPU"
-                )
-            return self.device or CudaDevice(dev)
-        if dev.type != "cpu":
+        """The device group ``gi``'s parameters stream through (None: host memory, stepped in
+        place); one per optimizer."""
+        if dev.type not in ("cuda", "cpu"):
             raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
-        if not testing.force_streaming():
-            return None
-        sim = testing.active_device() or shared_device()
-        if self.device is not None and self.device is not sim:
-            raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
-        return sim
+        device = device_for(dev)
+        if device is None or self.device is None or self.device is device:
+            return device
+        if dev.type == "cuda":
+            raise ValueError(
+                f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
+                f"{self.device.torch_device}; use one optimizer per GPU"
+            )
+        raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
 
     def add_group(self, gi: int, params: list[Tensor], names: list[str], state_dtype: torch.dtype, amsgrad: bool) -> None:
         """Builds group ``gi``'s state; on error nothing changes."""

@@ -27,7 +27,7 @@ from .. import _native
 from . import checkpoint
 from .engine import Engine, Hyper
 from .tier_nvme import NvmeTier
-from .state import STATE_KEYS, GroupState, HostTier, is_dtensor, same_sharding
+from .state import STATE_KEYS, GroupState, HostTier, Tier, is_dtensor, same_sharding
 
 __all__ = ["Adam", "AdamW"]
 
@@ -371,12 +371,15 @@ class Adam(Optimizer):
             async_step=config["async_step"],
             free_gradients=config["free_gradients"],
             bucket_bytes=config["bucket_bytes"],
-            tier=(
-                NvmeTier(config["nvme_dir"], host_budget_bytes=config["host_budget_bytes"], read_ahead=config["nvme_read_ahead"])
-                if config["offload"] == "nvme"
-                else HostTier()
-            ),
+            tier=self._make_tier(config),
         )
+
+    def _make_tier(self, config: dict[str, Any]) -> Tier:
+        """Where the state lives between steps, as ``offload`` chose (a subclass may hold it
+        elsewhere: the tests' evicting tier)."""
+        if config["offload"] == "nvme":
+            return NvmeTier(config["nvme_dir"], host_budget_bytes=config["host_budget_bytes"], read_ahead=config["nvme_read_ahead"])
+        return HostTier()
 
     @property  # type: ignore[override]
     def state(self) -> _State:

@@ -1,9 +1,12 @@
-"""Device backends: what the engine needs of an accelerator, in one small interface.
+"""Devices: what the offload needs of an accelerator, in one small interface, and one instance
+of it per torch device in the process.
 
-The engine (``engine.py``) and the gradient streaming (``grads.py``) never call CUDA directly:
-they use a :class:`Device`. :class:`CudaDevice` implements it with CUDA streams, events and
-pinned host memory; ``simdevice.SimulatedDevice`` implements it on the CPU with worker threads
-that run copies late, for tests. The engine cannot tell them apart.
+Everything that streams (the optimizer's gradients and copy-backs, the weights) goes through a
+:class:`Device`, never through CUDA directly, and gets it from :func:`device_for`: one
+:class:`CudaDevice` per CUDA device, shared by every client in the process, so that all their
+copies to a GPU keep one host-to-device order on one side stream. A CPU tensor has no device
+unless one is installed with :func:`use_device`: then CPU tensors are treated as that device's
+memory (the test suite installs its simulated device so; this module does not know it).
 
 Semantics every backend keeps (those of CUDA streams):
 
@@ -21,8 +24,10 @@ Semantics every backend keeps (those of CUDA streams):
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 import torch
@@ -30,7 +35,7 @@ from torch import Tensor
 
 
 class Device(Protocol):
-    """The accelerator of an offloaded param group, as the engine sees it."""
+    """An accelerator, as the clients of the runtime see it."""
 
     torch_device: torch.device
     d2h: Any  # side stream of gradient copies to the host
@@ -159,3 +164,37 @@ class CudaDevice:
     def drain(self) -> None:
         self.d2h.synchronize()
         self.h2d.synchronize()
+
+
+# -- one device per torch device ----------------------------------------------------------------
+
+_cuda: dict[int, CudaDevice] = {}
+_cuda_lock = threading.Lock()
+_cpu: ContextVar[Device | None] = ContextVar("offload_adam_cpu_device", default=None)
+
+
+def device_for(dev: torch.device) -> Device | None:
+    """The process's :class:`Device` for ``dev``: the one :class:`CudaDevice` of a CUDA device;
+    for the CPU, the device installed by :func:`use_device` (CPU tensors then count as its
+    memory), else None (CPU tensors are host memory). Other device types raise."""
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        with _cuda_lock:
+            d = _cuda.get(index)
+            if d is None:
+                d = _cuda[index] = CudaDevice(torch.device("cuda", index))
+            return d
+    if dev.type == "cpu":
+        return _cpu.get()
+    raise ValueError(f"{dev}: not supported (CPU or CUDA)")
+
+
+@contextlib.contextmanager
+def use_device(dev: Device) -> Iterator[Device]:
+    """Inside, CPU tensors are streamed as memory of ``dev``: what is built here (an optimizer,
+    an offload of weights) keeps using it afterwards."""
+    token = _cpu.set(dev)
+    try:
+        yield dev
+    finally:
+        _cpu.reset(token)

@@ -32,7 +32,7 @@ import random
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -381,21 +381,3 @@ class SimulatedDevice:
         self.closed = True
         self.d2h.stop()
         self.h2d.stop()
-
-
-@dataclass
-class _Shared:
-    device: SimulatedDevice | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-_shared = _Shared()
-
-
-def shared_device() -> SimulatedDevice:
-    """The process's simulated device for ``OFFLOAD_ADAM_FORCE_STREAMING=1`` outside tests: no
-    delays, and ``current_waits`` waits at once (no mode around the user's code)."""
-    with _shared.lock:
-        if _shared.device is None:
-            _shared.device = SimulatedDevice(seed=0, max_delay_s=0.0)
-        return _shared.device

@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _native
 from ..runtime.device import Device, device_for
+from ..runtime.pinned import PinnedArena
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
 from .state import GroupState, HostTier, Tier, is_dtensor
 
@@ -125,6 +126,7 @@ class Engine:
         self.groups: list[GroupState | None] = []  # None: parameters still on the meta device
         self._deferred: dict[int, tuple[list[Tensor], list[str], torch.dtype, bool]] = {}
         self.device: Device | None = None
+        self.arena: PinnedArena | None = None  # the pinned host buffers of offloaded groups
         self.streamed: StreamedGrads | None = None
         self.worker: threading.Thread | None = None
         self.in_flight = False
@@ -177,8 +179,11 @@ class Engine:
             self._deferred[gi] = (params, names, state_dtype, amsgrad)
             return
         device = self._device_for(dev, gi)
+        if device is not None and self.arena is None:
+            self.arena = PinnedArena(device)
         group = GroupState(
-            local, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device, bucket_bytes=self.bucket_bytes,
+            local, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device,
+            arena=self.arena if device is not None else None, bucket_bytes=self.bucket_bytes,
             page_align=self.tier.page_align, state_alloc=self.tier.state_alloc, keys=keys,
         )  # fmt: skip
         if device is None:

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device
+from ..runtime.pinned import PinnedArena
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
@@ -114,7 +115,7 @@ class GroupState:
     """One param group's layout, flat host buffers, native state set and state views.
 
     ``device`` None: CPU parameters, weights written in place, gradients read from ``.grad``.
-    Otherwise the parameters live on ``device``: buffers come from ``device.host_buffer``,
+    Otherwise the parameters live on ``device``: buffers come from ``arena`` (pinned),
     gradients land in host landing buffers (one per gradient dtype) and the updated weights are
     copied back from the masters (float32) or from the landing slot, which the kernel overwrites
     with the rounded weights once it has read the gradient (bfloat16/float16).
@@ -128,6 +129,7 @@ class GroupState:
         state_dtype: torch.dtype,
         amsgrad: bool,
         device: Device | None,
+        arena: PinnedArena | None = None,
         bucket_bytes: int,
         page_align: int = _ALIGN,
         state_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
@@ -151,7 +153,7 @@ class GroupState:
         lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align)
         self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
         alloc: Callable[[int, torch.dtype], Tensor] = (
-            device.host_buffer if device is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
+            arena.alloc if arena is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
         )
         self._state_alloc = state_alloc or alloc
         total = self.total

@@ -43,8 +43,9 @@ class Device(Protocol):
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
         """A zeroed host buffer of exactly ``n`` elements that copies to and from the device can
-        use asynchronously (pinned). It stays valid until it is garbage, and is released only
-        after every copy queued so far has completed."""
+        use asynchronously (pinned). It stays valid until its storage is garbage (views of it
+        keep it), and is released only after every copy queued so far has completed. Clients
+        allocate through a :class:`~offload_adam.runtime.pinned.PinnedArena`."""
         ...
 
     def staging(self, like: Tensor) -> Tensor:
@@ -116,7 +117,8 @@ class CudaDevice:
                 rc = self._cudart.cudaHostRegister(t.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
             if int(rc) != 0:
                 raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
-            weakref.finalize(t, _drain_then_unregister, self._cudart, t.data_ptr(), (self.d2h, self.h2d))
+            # On the storage, not this tensor: a client may keep only views of it.
+            weakref.finalize(t.untyped_storage(), _drain_then_unregister, self._cudart, t.data_ptr(), (self.d2h, self.h2d))
         return t
 
     def staging(self, like: Tensor) -> Tensor:

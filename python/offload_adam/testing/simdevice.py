@@ -27,6 +27,7 @@ version is bumped when the copy is queued, as CUDA's ``copy_`` bumps it at launc
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import queue
 import random
 import threading
@@ -77,7 +78,7 @@ class SimEvent:
 
 @dataclass
 class _HostAlloc:
-    storage: Any
+    memory: Tensor | None  # the simulator's own reference: valid for copies after a release
     dead: bool = False
 
 
@@ -269,18 +270,25 @@ class SimulatedDevice:
     # -- memory -----------------------------------------------------------------------------
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
+        # The client's tensor does not own its memory: the simulator keeps it, so that a copy
+        # queued before the client released it still finds valid memory (and records the
+        # violation) instead of crashing; the release is seen when the client's storage dies.
         with self._host_section():
-            t = torch.zeros(n, dtype=dtype)
-        alloc = _HostAlloc(t.untyped_storage())
-        self._hosts[t.untyped_storage().data_ptr()] = alloc
-        weakref.finalize(t, self._release, alloc, t.untyped_storage().data_ptr())
+            memory = torch.zeros(n, dtype=dtype)
+            nbytes = memory.untyped_storage().nbytes()
+            raw = (ctypes.c_char * max(nbytes, 1)).from_address(memory.data_ptr())
+            t = torch.frombuffer(raw, dtype=torch.uint8)[:nbytes].view(dtype)
+        alloc = _HostAlloc(memory)
+        ptr = t.untyped_storage().data_ptr()
+        self._hosts[ptr] = alloc
+        weakref.finalize(t.untyped_storage(), self._release, alloc, ptr)
         return t
 
     def _release(self, alloc: _HostAlloc, ptr: int) -> None:
         if self.release_waits and not _local.stream_thread:
             self.drain()
         alloc.dead = True
-        alloc.storage = None
+        alloc.memory = None
         if self._hosts.get(ptr) is alloc:
             del self._hosts[ptr]
 
@@ -297,7 +305,15 @@ class SimulatedDevice:
             # Held weakly: the storage's Python object lives exactly as long as the storage.
             return _Ref(weak=weakref.ref(t.untyped_storage()), geometry=(t.dtype, t.storage_offset(), t.shape, t.stride()))
         with self._host_section():
-            alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            if alloc is not None:
+                # A host buffer: the copy holds the simulator's memory, not the client's storage
+                # (holding that would keep the client's release from being seen).
+                assert alloc.memory is not None, "a copy queued on a released host buffer"
+                # The client's storage starts where the simulator's memory does.
+                mem = alloc.memory
+                alias = torch.empty(0, dtype=t.dtype).set_(mem.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            else:
+                alias = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), t.storage_offset(), t.shape, t.stride())
         if alloc is None:
             # CUDA's copy_ bumps the version counter when it is launched, not when it runs.
             _bump_version(t)

@@ -20,7 +20,7 @@ import torch
 from helpers import clone_params
 
 from offload_adam import AdamW, _native, testing
-from offload_adam.optim.tier_nvme import RUN_PREFIX, remove_stale_runs, stale_runs
+from offload_adam.runtime.pager import RUN_PREFIX, remove_stale_runs, stale_runs
 
 SHAPES = [(300, 200), (7,), (5000,), (64, 64), (1,), (100, 100), (3, 5, 7)]
 BUCKET_MB = 0.05  # several buckets (pages) for these shapes
@@ -221,13 +221,13 @@ def test_reading_checkpoints_writes_nothing_back(nvme_dir: str, tmp_path: Any) -
     ram = AdamW(_groups(qs), lr=1e-2, bucket_mb=BUCKET_MB)
     _train(a, ps, range(3))
     _train(ram, qs, range(3))
-    io = a._engine.tier.io
+    io = a._engine.tier.pager.io
     written = io.bytes()[1]
     a.state_dict()
     copy.deepcopy(a).close()  # the copy writes its own files, in its own directory
     a.save_state(str(tmp_path / "ckpt"))
     assert io.bytes()[1] == written
-    assert sum(p.resident and not p.pinned for p in a._engine.tier.pages) <= a._engine.tier.read_ahead
+    assert sum(p.resident and not p.pinned for p in a._engine.tier.pager.pages) <= a._engine.tier.pager.read_ahead
     _train(a, ps, range(3, 6))
     _train(ram, qs, range(3, 6))
     _assert_identical(a, ram, ps, qs)
@@ -242,7 +242,7 @@ def test_a_failed_checkpoint_write_leaves_the_previous_one(nvme_dir: str, tmp_pa
     a.save_state(ckpt)
     before = open(os.path.join(ckpt, "optimizer.safetensors"), "rb").read()
     _train(a, ps, range(3, 5))
-    a._engine.tier.io.inject_fault("read", errno.EIO, 2)
+    a._engine.tier.pager.io.inject_fault("read", errno.EIO, 2)
     with pytest.raises(OSError, match="Input/output error"):
         a.save_state(ckpt)
     assert os.listdir(ckpt) == ["optimizer.safetensors"]
@@ -294,7 +294,7 @@ def test_files_removed_at_interpreter_exit_and_killed_runs_reported(nvme_dir: st
 
 
 def test_free_space_is_checked_before_training(nvme_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import offload_adam.optim.tier_nvme as nvme
+    import offload_adam.runtime.pager as nvme
 
     real = nvme.shutil.disk_usage
     monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
@@ -341,7 +341,7 @@ def test_io_fault_mid_step_then_exact_continuation(io: str, nvme_dir: str, op: s
     _train(ram, qs, range(3))
     for p, g in zip(ps, _grads(ps, 3)):
         p.grad = g.clone()
-    a._engine.tier.io.inject_fault(op, err, after)
+    a._engine.tier.pager.io.inject_fault(op, err, after)
     with pytest.raises(OSError) as info:
         a.step()
     msg = str(info.value)
@@ -366,7 +366,7 @@ def test_io_fault_in_an_offloaded_step_then_exact_continuation(nvme_dir: str) ->
             for t in range(8):
                 m(torch.randn(8, 32, generator=g)).square().mean().backward()
                 if fault and t == 4:
-                    opt._engine.tier.io.inject_fault("read", errno.EIO, 2)
+                    opt._engine.tier.pager.io.inject_fault("read", errno.EIO, 2)
                     with pytest.raises(RuntimeError, match="optimizer step failed") as info:
                         opt.step()
                     assert isinstance(info.value.__cause__, OSError) and "bucket" in str(info.value.__cause__)

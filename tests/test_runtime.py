@@ -4,12 +4,15 @@ torch device, the pinned arena, the pager, the module schedule."""
 from __future__ import annotations
 
 import gc
+import os
+from typing import Any
 
 import pytest
 import torch
 
 from offload_adam import testing
 from offload_adam.runtime.device import device_for
+from offload_adam.runtime.pager import Family, Pager, RunDir, aligned_empty
 from offload_adam.runtime.pinned import PinnedArena
 
 # -- devices ------------------------------------------------------------------------------------
@@ -65,3 +68,83 @@ def test_an_allocation_is_released_only_after_the_copies_queued_on_it() -> None:
         gc.collect()
         sim.drain()
         assert sim.violations == [] and bool((dst == 3.0).all())
+
+
+# -- the pager ----------------------------------------------------------------------------------
+
+
+def _family(pager: Pager, n: int = 4 * 2048) -> tuple[Family, dict[str, torch.Tensor]]:
+    fam = pager.family("f", n)
+    bufs = {"a": aligned_empty(n, torch.float32), "b": aligned_empty(n, torch.bfloat16)}
+    for k, b in bufs.items():
+        pager.add_buffer(fam, k, b)
+    return fam, bufs
+
+
+@pytest.mark.parametrize("budget_pages", [0, 1])
+def test_the_pager_pages_a_family_of_buffers_through_the_window(tmp_path: Any, budget_pages: int) -> None:
+    """Buffers it knows nothing about: each page is written back and given to the OS on release
+    (its memory reads zeros), read back and checked on make_resident; pages in the host budget
+    never leave RAM."""
+    run = RunDir(str(tmp_path))
+    pager = Pager(run, host_budget_bytes=budget_pages * 2048 * 6, read_ahead=1, write_behind=1)
+    fam, bufs = _family(pager)
+    pages = pager.add_pages(fam, [(k * 2048, (k + 1) * 2048, f"page {k}") for k in range(4)], "the test data")
+    assert [pager.pages[k].pinned for k in pages] == [k < budget_pages for k in range(4)]
+    want = {}
+    for k in pages:
+        pager.make_resident([k])
+        for name, b in bufs.items():
+            b[k * 2048 : (k + 1) * 2048] = torch.arange(2048, dtype=torch.float32).to(b.dtype) + k
+        want[k] = {name: b[k * 2048 : (k + 1) * 2048].clone() for name, b in bufs.items()}
+        pager.release([k])
+    pager.end_step()
+    for k in pages:
+        p = pager.pages[k]
+        if not p.pinned and not p.resident and p.reading is None:  # (read ahead: page 0 is on its way back)
+            assert bool((bufs["a"][k * 2048 : (k + 1) * 2048] == 0).all())  # given back to the OS
+    for k in pages:
+        pager.make_resident([k])
+        for name, b in bufs.items():
+            assert torch.equal(b[k * 2048 : (k + 1) * 2048], want[k][name]), (k, name)
+        pager.release([k], wrote=False)
+    pager.end_step()
+    assert pager.memory()["nvme_bytes"] == (4 - budget_pages) * 2048 * 6
+    page = 2048 * 6
+    assert pager.stats["write_bytes"] == (4 - budget_pages) * page  # the second pass only read
+    # Read: pages 1-3 in the second pass; page 0 each time read ahead after the last page.
+    assert pager.stats["read_bytes"] == (3 + (2 if budget_pages == 0 else 0)) * page
+    pager.close()
+    run.close()
+    assert not os.path.exists(run.path)
+
+
+def test_a_corrupted_page_names_its_file_and_what_it_holds(tmp_path: Any) -> None:
+    run = RunDir(str(tmp_path))
+    pager = Pager(run, read_ahead=0, corrupt_hint="; do something")
+    fam, bufs = _family(pager, 2048)
+    (k,) = pager.add_pages(fam, [(0, 2048, "the test page")], "the test data")
+    pager.make_resident([k])
+    bufs["a"].fill_(1.0)
+    pager.release([k])
+    pager.end_step()
+    with open(fam.files["a"][1], "r+b") as f:
+        f.write(b"\x01\x02")
+    with pytest.raises(OSError, match=r"f-a\.bin: the test page is corrupted \(checksum mismatch\); do something"):
+        pager.make_resident([k])
+    run.close()
+
+
+def test_a_run_directory_checks_the_space_its_pages_need(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import offload_adam.runtime.pager as pager_mod
+
+    run = RunDir(str(tmp_path))
+    real = pager_mod.shutil.disk_usage
+    monkeypatch.setattr(pager_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
+    pager = Pager(run)
+    fam, _ = _family(pager, 2048)
+    with pytest.raises(OSError, match=r"the test data needs 12288 bytes under .* which has 1000 free"):
+        pager.add_pages(fam, [(0, 2048, "p")], "the test data")
+    with pytest.raises(ValueError, match="nvme_dir: .* is not a directory"):
+        RunDir(str(tmp_path / "missing"))
+    run.close()

@@ -14,7 +14,8 @@ import torch
 from helpers import clone_params, make_params, max_diff, run_twins
 
 from offload_adam import AdamW, testing
-from offload_adam.optim.state import GroupState, HostTier
+from offload_adam.optim.state import GroupState
+from offload_adam.optim.tier import HostTier
 
 KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
 

@@ -9,7 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from . import _native
 from .optim.ddp import register_ddp_hook
-from .optim.tier_nvme import remove_stale_runs, stale_runs
+from .runtime.pager import remove_stale_runs, stale_runs
 from .optim.optimizer import Adam, AdamW
 
 try:

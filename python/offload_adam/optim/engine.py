@@ -32,7 +32,8 @@ from .. import _native
 from ..runtime.device import Device, device_for
 from ..runtime.pinned import PinnedArena
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
-from .state import GroupState, HostTier, Tier, is_dtensor
+from .state import GroupState, is_dtensor
+from .tier import HostTier, Tier
 
 # A param group's hyper-parameters as the kernel takes them:
 # (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).

@@ -26,8 +26,8 @@ from torch.utils import _pytree
 from .. import _native
 from . import checkpoint
 from .engine import Engine, Hyper
-from .tier_nvme import NvmeTier
-from .state import STATE_KEYS, GroupState, HostTier, Tier, is_dtensor, same_sharding
+from .tier import HostTier, NvmeTier, Tier
+from .state import STATE_KEYS, GroupState, is_dtensor, same_sharding
 
 __all__ = ["Adam", "AdamW"]
 

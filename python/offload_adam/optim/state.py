@@ -1,22 +1,18 @@
-"""The host state of one param group, and the tier that holds it between steps.
+"""The host state of one param group.
 
 A :class:`GroupState` owns a group's layout (where each parameter's state sits in the flat
 buffers), the buffers themselves, the native ``StateSet`` over them (imported once through
 DLPack), and the views that ``optimizer.state[p]`` hands out. The same class serves every
 parameter kind: CPU parameters are updated in place from their own ``.grad``; offloaded
-parameters get their gradients in host landing buffers and their weights back by copy.
-
-A tier decides where the state lives between steps: :class:`HostTier` keeps it in host memory.
-The engine brackets every access to a bucket's state with ``make_resident`` and ``release``, so
-a tier that keeps state elsewhere (NVMe) pages it in and out without the engine changing.
+parameters get their gradients in host landing buffers and their weights back by copy. Where
+the state lives between steps is the tier's business (``tier.py``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -255,6 +251,12 @@ class GroupState:
             bufs.append(self.master)
         return [t for t in bufs if t is not None]
 
+    def paged_buffers(self) -> dict[str, Tensor]:
+        """The buffers a tier may page (each with the layout's offsets): moments, amsgrad
+        maximum, masters; not the step counts or landing buffers."""
+        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "max_exp_avg_sq": self.max_exp_avg_sq, "master": self.master}
+        return {k: b for k, b in bufs.items() if b is not None}
+
     def buffers(self) -> list[Tensor]:
         """Every host buffer of the group."""
         bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.steps, *self.landing]
@@ -266,7 +268,7 @@ class GroupState:
         buffers are paged by the tier, which reports them; only the rest is counted."""
         bufs = self.buffers()
         if paged:
-            state = {id(t) for t in (self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master)}
+            state = {id(t) for t in self.paged_buffers().values()}
             held = sum(t.untyped_storage().nbytes() for t in bufs if id(t) not in state)
             return held, held
         held = sum(t.untyped_storage().nbytes() for t in bufs)
@@ -276,81 +278,3 @@ class GroupState:
         es = self.exp_avg.element_size()
         tight = sum(p.numel() * (4 + moments * es + p.element_size()) for p in self.params)
         return held, tight
-
-
-def _no_copies() -> None:
-    pass
-
-
-class Tier(Protocol):
-    """Where a group's state lives between steps (see the module documentation).
-
-    The engine calls ``make_resident(group, slots)`` before it reads or writes those slots'
-    state (moments, amsgrad maximum, masters) and ``release(group, slots, copies_done, wrote)``
-    after (``wrote`` False: the state was only read, a checkpoint).
-    Copies back to the device may still be reading the masters (and bf16/fp16 landing slots)
-    when ``release`` is called: a tier calls ``copies_done()`` (a host wait) before it reuses
-    that memory."""
-
-    stable_views: bool  # whether the views of state[p] stay valid between steps
-    page_align: int  # elements: where each bucket's state starts in the buffers
-    batch_bytes: int  # gradient bytes of offloaded buckets stepped in one native call
-    state_alloc: Callable[[int, torch.dtype], Tensor] | None  # allocates the state buffers
-
-    @property
-    def stats(self) -> Mapping[str, float]:
-        """Running I/O counters: bytes read and written, seconds waited for the disk."""
-        ...
-
-    def attach(self, group: GroupState) -> None: ...
-
-    def chunks(self, group: GroupState) -> list[range] | None:
-        """The slots of a CPU group's native calls, in order (None: one call for all)."""
-        ...
-
-    def end_step(self) -> None:
-        """After every bucket of a step (writes back, raises a deferred I/O error)."""
-        ...
-
-    def memory(self) -> dict[str, int]: ...
-
-    def close(self) -> None: ...
-
-    def make_resident(self, group: GroupState, slots: Sequence[int]) -> None: ...
-
-    def release(
-        self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies, wrote: bool = True
-    ) -> None: ...
-
-
-class HostTier:
-    """State in host memory: always resident, nothing to page."""
-
-    stable_views = True
-    page_align = _ALIGN
-    batch_bytes = 256 << 20
-    state_alloc: Callable[[int, torch.dtype], Tensor] | None = None
-    stats: Mapping[str, float] = MappingProxyType({})  # no I/O
-
-    def chunks(self, group: GroupState) -> list[range] | None:
-        return None
-
-    def end_step(self) -> None:
-        pass
-
-    def memory(self) -> dict[str, int]:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-    def attach(self, group: GroupState) -> None:
-        pass
-
-    def make_resident(self, group: GroupState, slots: Sequence[int]) -> None:
-        pass
-
-    def release(
-        self, group: GroupState, slots: Sequence[int], copies_done: Callable[[], None] = _no_copies, wrote: bool = True
-    ) -> None:
-        pass

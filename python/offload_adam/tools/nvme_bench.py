@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import _native
-from ..optim.tier_nvme import aligned_empty
+from ..runtime.pager import aligned_empty
 from ..optim.optimizer import AdamW
 
 

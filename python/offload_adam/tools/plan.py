@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..optim.tier_nvme import PAGE_ALIGN
+from ..optim.tier import PAGE_ALIGN
 from ..optim.state import layout
 
 GB = 1 << 30

@@ -14,6 +14,7 @@ from offload_adam import testing
 from offload_adam.runtime.device import device_for
 from offload_adam.runtime.pager import Family, Pager, RunDir, aligned_empty
 from offload_adam.runtime.pinned import PinnedArena
+from offload_adam.runtime.schedule import SCHEDULE
 
 # -- devices ------------------------------------------------------------------------------------
 
@@ -148,3 +149,69 @@ def test_a_run_directory_checks_the_space_its_pages_need(tmp_path: Any, monkeypa
     with pytest.raises(ValueError, match="nvme_dir: .* is not a directory"):
         RunDir(str(tmp_path / "missing"))
     run.close()
+
+
+# -- the module schedule ------------------------------------------------------------------------
+
+
+class _Recording:
+    def __init__(self, name: str, log: list[Any], watched: dict[int, str]) -> None:
+        self.name, self.log, self.watched = name, log, watched
+
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        self.log.append((self.name, "pre", type(module).__name__))
+
+    def post_forward(self, module: torch.nn.Module) -> None:
+        self.log.append((self.name, "post", type(module).__name__))
+
+    def read_key(self, t: torch.Tensor) -> Any:
+        return self.watched.get(id(t))
+
+    def on_read(self, module: torch.nn.Module, key: Any) -> None:
+        self.log.append((self.name, "read", type(module).__name__, key))
+
+    def pass_ended(self, recorded: bool) -> None:
+        self.log.append((self.name, "end", recorded))
+
+
+class _Parent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x) @ self.child.weight  # reads the child's weight itself too
+
+
+def test_subscribers_see_every_module_and_a_recorded_pass_attributes_reads() -> None:
+    m = _Parent()
+    log: list[Any] = []
+    a = _Recording("a", log, {id(m.child.weight): "w"})
+    b = _Recording("b", log, {})
+    sa, sb = SCHEDULE.subscribe(a), SCHEDULE.subscribe(b)
+    try:
+        sa.record_next()
+        m(torch.randn(2, 3))
+        reads = [e for e in log if e[1] == "read"]
+        assert ("a", "read", "_Parent", "w") in reads  # the parent's own read
+        assert ("a", "read", "Linear", "w") in reads  # F.linear inside the child
+        calls = [e for e in log if e[1] in ("pre", "post")]
+        assert calls == [
+            ("a", "pre", "_Parent"), ("b", "pre", "_Parent"), ("a", "pre", "Linear"), ("b", "pre", "Linear"),
+            ("b", "post", "Linear"), ("a", "post", "Linear"), ("b", "post", "_Parent"), ("a", "post", "_Parent"),
+        ]  # fmt: skip
+        assert log[-2:] == [("a", "end", True), ("b", "end", False)]
+        log.clear()
+        m(torch.randn(2, 3))  # not recorded again
+        assert not [e for e in log if e[1] == "read"] and log[-2:] == [("a", "end", False), ("b", "end", False)]
+        log.clear()
+        with pytest.raises(RuntimeError):
+            m(torch.randn(2, 4))  # a forward that raises still ends its pass
+        assert log[-2:] == [("a", "end", False), ("b", "end", False)]
+    finally:
+        sa.cancel()
+        sb.cancel()
+    assert not SCHEDULE._handles  # no subscriber, no global hooks
+    log.clear()
+    m(torch.randn(2, 3))
+    assert log == []

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.overrides import TorchFunctionMode
 
 from .. import _native
 from ..runtime.device import Device, device_for
 from ..runtime.pinned import PinnedArena
+from ..runtime.schedule import SCHEDULE, Subscription
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
 from .state import GroupState, is_dtensor
 from .tier import HostTier, Tier
@@ -57,27 +57,6 @@ class _Failure:
     error: BaseException
     work: list[tuple[Bucket, list[Rec]]]  # buckets not updated
     generation: int
-
-
-class _ReadRecorder(TorchFunctionMode):
-    """Attributes each read of an offloaded parameter to the innermost module whose forward is
-    running (one forward, once): a module's pre-hook then waits for what its own code reads,
-    such as a child's weight read before (or without) calling the child."""
-
-    def __init__(self, engine: Engine) -> None:
-        super().__init__()
-        self.engine = engine
-        self.stack: list[torch.nn.Module] = []
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if self.stack:
-            by_param = self.engine.streamed.by_param if self.engine.streamed else {}
-            for a in (*args, *kwargs.values()):
-                for t in a if isinstance(a, (list, tuple)) else (a,):
-                    if isinstance(t, Tensor) and id(t) in by_param:
-                        self.engine._reads.setdefault(self.stack[-1], set()).add(by_param[id(t)].bucket)
-        return func(*args, **kwargs)
 
 
 def _check_local(loc: Any, name: str) -> None:
@@ -143,10 +122,9 @@ class Engine:
         # Forward waits (async mode): modules seen running, parameters each one reads.
         self._called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
         self._reads: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
-        self._recorder: _ReadRecorder | None = None
         self._recorded = False
         self._wait_cache: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
-        self._module_hooks: list[Any] = []
+        self._schedule: Subscription | None = None
 
     # -- groups ---------------------------------------------------------------------------------
 
@@ -198,7 +176,7 @@ class Engine:
             if self.streamed is None:
                 self.device = device
                 self.streamed = StreamedGrads(device, free_gradients=self.free_gradients, num_threads=self.num_threads)
-                self._install_module_hooks()
+                self._subscribe()
             self.streamed.add_group(gi, group)
 
     def _materialize(self) -> None:
@@ -218,9 +196,9 @@ class Engine:
         self.synchronize(raise_error=False)
         if self.streamed is not None:
             self.streamed.close()
-        for h in self._module_hooks:
-            h.remove()
-        self._module_hooks = []
+        if self._schedule is not None:
+            self._schedule.cancel()
+            self._schedule = None
         self.tier.close()
 
     # -- the step -------------------------------------------------------------------------------
@@ -658,43 +636,27 @@ class Engine:
             total += float(part)
         return total
 
-    # -- forward waits (async mode) -------------------------------------------------------------
+    # -- forward waits (async mode), through the module schedule ---------------------------------
 
-    def _install_module_hooks(self) -> None:
-        me = weakref.ref(self)
-
-        def pre(module: torch.nn.Module, args: Any) -> None:
-            e = me()
-            if e is not None:
-                e._forward_pre_hook(module)
-
-        def post(module: torch.nn.Module, args: Any, out: Any) -> None:
-            e = me()
-            if e is not None and e._recorder is not None:
-                e._record_exit(module)
-
-        reg = torch.nn.modules.module
-        self._module_hooks = [reg.register_module_forward_pre_hook(pre)]
+    def _subscribe(self) -> None:
+        self._schedule = SCHEDULE.subscribe(self)
         if self.async_step:
-            # always_call: a forward that raises still ends the recording.
-            self._module_hooks.append(reg.register_module_forward_hook(post, always_call=True))
+            self._schedule.record_next()  # the reads of the first forward
 
-    def _record_enter(self, module: torch.nn.Module) -> None:
-        if self._recorder is None:
-            if self._recorded or torch.compiler.is_compiling():
-                return
-            self._recorder = _ReadRecorder(self)
-            self._recorder.__enter__()
-        self._recorder.stack.append(module)
+    # The schedule's subscriber interface (runtime/schedule.py).
 
-    def _record_exit(self, module: torch.nn.Module) -> None:
-        rec = self._recorder
-        assert rec is not None
-        if rec.stack and rec.stack[-1] is module:
-            rec.stack.pop()
-        if not rec.stack:
-            rec.__exit__(None, None, None)
-            self._recorder = None
+    def post_forward(self, module: torch.nn.Module) -> None:
+        pass
+
+    def read_key(self, t: Tensor) -> int | None:
+        r = self.streamed.by_param.get(id(t)) if self.streamed is not None else None
+        return None if r is None else r.bucket
+
+    def on_read(self, module: torch.nn.Module, key: Any) -> None:
+        self._reads.setdefault(module, set()).add(key)
+
+    def pass_ended(self, recorded: bool) -> None:
+        if recorded:
             self._recorded = True
             self._wait_cache = weakref.WeakKeyDictionary()
 
@@ -722,9 +684,8 @@ class Engine:
         self._wait_cache[module] = (len(self._called), out)
         return out
 
-    def _forward_pre_hook(self, module: torch.nn.Module) -> None:
-        if self.async_step and not self._recorded:
-            self._record_enter(module)
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        """Before a module's forward (async mode): waits for the buckets it reads."""
         if module not in self._called:
             self._called.add(module)
         if not self.in_flight and self.worker is None:

@@ -1,0 +1,167 @@
+"""The module schedule: forward pre- and post-hooks of every module in the process, handed to the
+clients that subscribe (the optimizer's engine waits there for the weights it updates, the
+weight streamer loads and releases its blocks), and the recording of what a forward reads.
+
+One :data:`SCHEDULE` per process installs torch's global module hooks while it has subscribers
+and calls each subscriber's ``pre_forward(module)`` before a module runs and ``post_forward``
+after (also when the forward raises), in subscription order (post in reverse). A *pass* is the
+outermost module call of a thread: from the pre-hook that finds the thread's module stack empty
+to its post-hook.
+
+A subscriber may ask for the next pass to be *recorded* (:meth:`Subscription.record_next`):
+during it a torch-function mode sees every torch call of the thread, asks each recording
+subscriber what each tensor argument is to it (``read_key(t)``, None for nothing), and reports
+a read (``on_read(module, key)``) attributed to the innermost running module, before the call
+runs (a subscriber can still make the tensor valid). This is how a module's own reads are
+found: a parent reading a child's weight without calling the child, ``nn.MultiheadAttention``
+reading ``out_proj.weight``. ``pass_ended(recorded)`` closes every pass.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+
+class Subscriber(Protocol):
+    def pre_forward(self, module: torch.nn.Module) -> None: ...
+
+    def post_forward(self, module: torch.nn.Module) -> None: ...
+
+    def read_key(self, t: Tensor) -> Any:
+        """What ``t`` is to this subscriber (during a recorded pass), None for nothing."""
+        ...
+
+    def on_read(self, module: torch.nn.Module, key: Any) -> None: ...
+
+    def pass_ended(self, recorded: bool) -> None: ...
+
+
+class Subscription:
+    """A subscriber's place in the schedule (it is held weakly: it may be garbage-collected
+    without unsubscribing)."""
+
+    def __init__(self, schedule: Schedule, sub: Subscriber) -> None:
+        self.schedule = schedule
+        self.ref = weakref.ref(sub)
+        self.record = False  # the next pass records this subscriber's reads
+
+    def record_next(self) -> None:
+        """The next pass (or this one, from the next module on, if one is running) is recorded
+        for this subscriber."""
+        self.record = True
+
+    def cancel(self) -> None:
+        self.schedule._remove(self)
+
+
+class _Recorder(TorchFunctionMode):
+    """Reports reads of the recording subscribers' tensors to them (see the module
+    documentation)."""
+
+    def __init__(self, schedule: Schedule, subs: list[Subscription]) -> None:
+        super().__init__()
+        self.schedule = schedule
+        self.subs = subs
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        stack = self.schedule._local.stack
+        if stack:
+            module = stack[-1]
+            for a in (*args, *kwargs.values()):
+                for t in a if isinstance(a, (list, tuple)) else (a,):
+                    if isinstance(t, Tensor):
+                        for s in self.subs:
+                            sub = s.ref()
+                            if sub is not None:
+                                key = sub.read_key(t)
+                                if key is not None:
+                                    sub.on_read(module, key)
+        return func(*args, **kwargs)
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[torch.nn.Module] = []
+        self.recorder: _Recorder | None = None
+
+
+class Schedule:
+    """The process's module schedule (see the module documentation)."""
+
+    def __init__(self) -> None:
+        self._subs: list[Subscription] = []
+        self._handles: list[Any] = []
+        self._local = _Local()
+        self._lock = threading.Lock()
+
+    def subscribe(self, sub: Subscriber) -> Subscription:
+        s = Subscription(self, sub)
+        with self._lock:
+            self._subs.append(s)
+            if not self._handles:
+                reg = torch.nn.modules.module
+                # always_call: a forward that raises still ends its module (and the pass).
+                self._handles = [
+                    reg.register_module_forward_pre_hook(self._pre),
+                    reg.register_module_forward_hook(self._post, always_call=True),
+                ]
+        return s
+
+    def _remove(self, s: Subscription) -> None:
+        with self._lock:
+            if s in self._subs:
+                self._subs.remove(s)
+            if not self._subs:
+                for h in self._handles:
+                    h.remove()
+                self._handles = []
+
+    def _live(self) -> list[tuple[Subscription, Subscriber]]:
+        out = []
+        for s in list(self._subs):
+            sub = s.ref()
+            if sub is None:
+                self._remove(s)
+            else:
+                out.append((s, sub))
+        return out
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        loc = self._local
+        subs = self._live()
+        wanted = [s for s, _ in subs if s.record]
+        if wanted and loc.recorder is None and not torch.compiler.is_compiling():
+            for s in wanted:
+                s.record = False
+            loc.recorder = _Recorder(self, wanted)
+            loc.recorder.__enter__()
+        loc.stack.append(module)
+        for _, sub in subs:
+            sub.pre_forward(module)
+
+    def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+        loc = self._local
+        subs = self._live()
+        try:
+            for _, sub in reversed(subs):
+                sub.post_forward(module)
+        finally:
+            if loc.stack and loc.stack[-1] is module:
+                loc.stack.pop()
+            if not loc.stack:
+                rec, loc.recorder = loc.recorder, None
+                if rec is not None:
+                    rec.__exit__(None, None, None)
+                recorded = {id(s) for s in rec.subs} if rec is not None else set()
+                for s, sub in subs:
+                    sub.pass_ended(id(s) in recorded)
+
+
+SCHEDULE = Schedule()

@@ -116,7 +116,6 @@ class Engine:
         self.stats: dict[str, float] = {}
         self._cur: dict[str, float] = {}
         self._backward_done: Any = None
-        self.ddp_group: Any = None  # DDP's process group, once offload_adam.ddp's hook is registered
         self._after_backward_queued = False
         self._io_before: dict[str, float] = {}
         # Forward waits (async mode): modules seen running, parameters each one reads.
@@ -179,7 +178,8 @@ class Engine:
                 self._subscribe()
             self.streamed.add_group(gi, group)
 
-    def _materialize(self) -> None:
+    def materialize(self) -> None:
+        """Builds the groups whose parameters were on the meta device, now materialized."""
         for gi, (params, names, state_dtype, amsgrad) in list(self._deferred.items()):
             if any(p.device.type == "meta" for p in params):
                 raise RuntimeError(
@@ -210,7 +210,7 @@ class Engine:
         mode the state views are handed out before the step has run (see :meth:`unstepped`).
         Everything is checked before anything changes."""
         self.synchronize()
-        self._materialize()
+        self.materialize()
         if self.streamed is not None:
             # Checked before the CPU groups move, so that a refused step changes nothing; a
             # re-bound parameter's master is taken from its new storage below.
@@ -560,6 +560,20 @@ class Engine:
                 self.tier.release(g, slots, self._wait_copy_backs, wrote=write)
             if only is None:
                 self.tier.end_step()
+
+    def use_ddp_hook(self) -> None:
+        """``register_ddp_hook``: gradients come averaged from DDP's communication hook
+        (:meth:`land_averaged`), not from the post-accumulate hooks."""
+        if self.streamed is None:
+            raise ValueError("register_ddp_hook: the optimizer has no offloaded (CUDA) parameters; DDP needs no hook for CPU ones")
+        if self.free_gradients:
+            raise ValueError("register_ddp_hook: free_gradients=True is not supported under DDP (use free_gradients=False)")
+        self.streamed.ddp = True
+
+    def land_averaged(self, params: list[Tensor], grads: list[Tensor]) -> None:
+        """From DDP's communication hook: a bucket of averaged gradients, copied once."""
+        assert self.streamed is not None
+        self.streamed.land_averaged(params, grads)
 
     def queue_after_backward(self) -> None:
         """From DDP's communication hook (inside a backward): at the end of this backward, after

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from torch.utils import _pytree
 
 from .. import _native
-from . import checkpoint
+from . import checkpoint, ddp
 from .engine import Engine, Hyper
 from .tier import HostTier, NvmeTier, Tier
 from .state import STATE_KEYS, GroupState, is_dtensor, same_sharding
@@ -393,6 +393,12 @@ class Adam(Optimizer):
         s.dirty = bool(s)
         self.__dict__["_state"] = s
 
+    def register_ddp_hook(self, model: Any, process_group: Any = None) -> None:
+        """Makes ``model`` (a ``DistributedDataParallel`` over this optimizer's offloaded
+        parameters) hand over its averaged gradients: each crosses to the host once, bucket by
+        bucket as DDP reduces them (see ``offload_adam.register_ddp_hook``)."""
+        ddp.install(model, self._engine, process_group)
+
     def close(self) -> None:
         """Waits for a running step and releases what the optimizer holds outside the process's
         memory: with ``offload="nvme"`` its files are removed (also done when the optimizer is
@@ -744,7 +750,7 @@ class Adam(Optimizer):
                 raise ValueError(f"loaded state dict has no {key!r} key")
         merged, where = self._merge_groups(state_dict["param_groups"])
         self._engine.synchronize()
-        self._engine._materialize()
+        self._engine.materialize()
         plan: list[tuple[int, int, dict[str, Any], float]] = []
         extras: dict[Any, Any] = {}
         for k, v in state_dict["state"].items():
@@ -878,7 +884,7 @@ class Adam(Optimizer):
             by_id[int(parts[1])][parts[2]] = e
         eng = self._engine
         eng.synchronize()
-        eng._materialize()
+        eng.materialize()
         steps: dict[int, float] = {}
         for pid, entries in by_id.items():
             if pid not in where:
@@ -956,7 +962,7 @@ class Adam(Optimizer):
         for gi, group in enumerate(self.param_groups):
             names = [self._name(group, gi, i) for i in range(len(group["params"]))]
             self._engine.add_group(gi, group["params"], names, config["state_dtype"], bool(group["amsgrad"]))
-        self._engine._materialize()
+        self._engine.materialize()
         slot = self._slot_of()
         with torch.no_grad(), self._engine.resident():
             for k, v in saved.items():

@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, init: str, rounds: int, threads: int, scale: 
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from .bench import gpt2_small_shapes
+    from .shapes import gpt2_small_shapes
     from ..optim.optimizer import AdamW
 
     torch.set_num_threads(threads)

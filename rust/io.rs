@@ -308,6 +308,29 @@ impl Engine {
         Ok(files.len() - 1)
     }
 
+    /// Opens the existing file `path` read-only, buffered (its transfers need no alignment: a
+    /// checkpoint's tensors sit at any offset), the page cache dropped behind each read.
+    /// Returns the file's index and its size in bytes.
+    pub fn open_read(&self, path: &str) -> Result<(usize, u64)> {
+        let file = File::open(path).map_err(|e| {
+            Error::Io(
+                e.raw_os_error().unwrap_or(libc::EIO),
+                format!("cannot open {path}: {e}"),
+            )
+        })?;
+        let size = file
+            .metadata()
+            .map_err(|e| Error::Io(e.raw_os_error().unwrap_or(libc::EIO), format!("{path}: {e}")))?
+            .len();
+        let mut files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        files.push(Some(OpenFile {
+            file,
+            path: path.to_string(),
+            direct: false,
+        }));
+        Ok((files.len() - 1, size))
+    }
+
     /// Whether file `id` was opened with `O_DIRECT`.
     pub fn direct(&self, id: usize) -> Result<bool> {
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
@@ -661,6 +684,20 @@ mod tests {
         // Reading past the end is a truncation error, not silent zeros.
         let e = transfer(false, addr, ALIGN, n as u64).unwrap_err();
         assert!(e.message.contains("truncated"), "{}", e.message);
+        // An existing file opened to read: any offset, any length, any address.
+        let (r, size) = eng.open_read(path.to_str().unwrap()).unwrap();
+        assert_eq!(size, n as u64);
+        let mut c = vec![0u8; 1001];
+        let req = Request {
+            write: false,
+            file: r,
+            addr: c.as_mut_ptr() as usize + 1,
+            len: 1000,
+            offset: 13,
+        };
+        eng.submit(&[req]).unwrap().wait().unwrap();
+        assert_eq!(&c[1..], &a.buf(n)[13..1013]);
+        assert!(eng.open_read(dir.join("missing").to_str().unwrap()).is_err());
         drop(eng);
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -10,6 +10,7 @@ from importlib.metadata import PackageNotFoundError, version
 from . import _native
 from .optim.ddp import register_ddp_hook
 from .runtime.pager import remove_stale_runs, stale_runs
+from .weights import WeightOffload, offload_weights
 from .optim.optimizer import Adam, AdamW
 
 try:
@@ -28,4 +29,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["Adam", "AdamW", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]
+__all__ = ["Adam", "AdamW", "WeightOffload", "offload_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]

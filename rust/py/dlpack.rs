@@ -87,12 +87,14 @@ const USED_VERSIONED: &CStr = c"used_dltensor_versioned";
 const LEGACY: &CStr = c"dltensor";
 const USED_LEGACY: &CStr = c"used_dltensor";
 
-/// Element types the kernel works on.
+/// Element types of imported buffers: the kernel's floats, and bytes (checksums and transfers
+/// of the I/O engine, which work on any buffer's bytes; the kernel refuses them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DType {
     F32,
     Bf16,
     F16,
+    U8,
 }
 
 impl DType {
@@ -101,12 +103,14 @@ impl DType {
             DType::F32 => "float32",
             DType::Bf16 => "bfloat16",
             DType::F16 => "float16",
+            DType::U8 => "uint8",
         }
     }
     pub fn size(self) -> usize {
         match self {
             DType::F32 => 4,
             DType::Bf16 | DType::F16 => 2,
+            DType::U8 => 1,
         }
     }
     fn from_dl(d: DLDataType) -> Result<DType, String> {
@@ -114,6 +118,7 @@ impl DType {
             (2, 32, 1) => Ok(DType::F32),
             (4, 16, 1) => Ok(DType::Bf16),
             (2, 16, 1) => Ok(DType::F16),
+            (1, 8, 1) => Ok(DType::U8),
             (code, bits, lanes) => {
                 let kind = match code {
                     0 => "int",
@@ -259,6 +264,7 @@ impl Import {
             contiguous: true,
         };
         import.dtype = DType::from_dl(dl_dtype).map_err(|got| {
+            // (uint8 imports too, for checksums and transfers: the kernel's own checks refuse it)
             PyTypeError::new_err(format!("{name}: dtype must be float32, bfloat16 or float16, got {got}"))
         })?;
         match device.device_type {
@@ -369,14 +375,20 @@ impl Import {
         Ok(())
     }
 
-    /// The whole buffer as mutable elements of its dtype.
-    fn whole_mut(&mut self) -> HostMut<'_> {
+    /// The whole buffer as mutable elements of its dtype (a float the kernel takes).
+    fn whole_mut(&mut self, name: &str) -> PyResult<HostMut<'_>> {
+        if self.dtype == DType::U8 {
+            return Err(PyTypeError::new_err(format!(
+                "{name}: dtype must be float32, bfloat16 or float16, got uint8"
+            )));
+        }
         if self.len == 0 {
-            return match self.dtype {
+            return Ok(match self.dtype {
                 DType::F32 => HostMut::F32(&mut []),
                 DType::Bf16 => HostMut::Bf16(&mut []),
                 DType::F16 => HostMut::F16(&mut []),
-            };
+                DType::U8 => unreachable!("refused above"),
+            });
         }
         // SAFETY: the producer keeps `len` elements of `dtype` alive at `ptr` until our deleter
         // runs (drop), the pointer is aligned to the element size (checked in `new`), and
@@ -384,13 +396,14 @@ impl Import {
         // the same step shares a byte with it: `Writable` checks that within a set and
         // `carve_sets` across the sets of a step. (Python code writing the same tensors from
         // another thread during a step races, as it would with torch's own optimizer.)
-        unsafe {
+        Ok(unsafe {
             match self.dtype {
                 DType::F32 => HostMut::F32(std::slice::from_raw_parts_mut(self.ptr as *mut f32, self.len)),
                 DType::Bf16 => HostMut::Bf16(std::slice::from_raw_parts_mut(self.ptr as *mut Bf16, self.len)),
                 DType::F16 => HostMut::F16(std::slice::from_raw_parts_mut(self.ptr as *mut F16, self.len)),
+                DType::U8 => unreachable!("refused above"),
             }
-        }
+        })
     }
 }
 
@@ -475,15 +488,15 @@ pub type Ranges = Vec<(usize, usize)>;
 pub fn carve_sets<'a>(sets: Vec<&'a mut Writable>) -> PyResult<(Vec<Carved<'a>>, Ranges)> {
     let lists: Vec<&[(usize, usize)]> = sets.iter().map(|w| w.ranges.as_slice()).collect();
     let merged = merge_disjoint(&lists).map_err(super::convert::err)?;
-    let out = sets
-        .into_iter()
-        .map(|w| {
-            w.imports
-                .iter_mut()
-                .map(|i| i.as_mut().map(Import::whole_mut))
-                .collect()
-        })
-        .collect();
+    let mut out = Vec::with_capacity(sets.len());
+    for w in sets {
+        let names = &w.names;
+        let mut bufs = Vec::with_capacity(w.imports.len());
+        for (i, imp) in w.imports.iter_mut().enumerate() {
+            bufs.push(imp.as_mut().map(|b| b.whole_mut(&names[i])).transpose()?);
+        }
+        out.push(bufs);
+    }
     Ok((out, merged))
 }
 
@@ -561,6 +574,7 @@ impl<'a> CheckedGrad<'a, '_> {
                 DType::F32 => GradRef::F32(std::slice::from_raw_parts(self.info.ptr as *const f32, self.len)),
                 DType::Bf16 => GradRef::Bf16(std::slice::from_raw_parts(self.info.ptr as *const Bf16, self.len)),
                 DType::F16 => GradRef::F16(std::slice::from_raw_parts(self.info.ptr as *const F16, self.len)),
+                DType::U8 => unreachable!("grad_info admits float gradients only"),
             }
         }
     }

@@ -54,6 +54,12 @@ impl IoEngine {
         py.detach(|| inner.open(path, size)).map_err(err)
     }
 
+    /// Opens the existing `path` read-only (buffered: any offset); returns (file number, size).
+    fn open_read(&self, py: Python<'_>, path: &str) -> PyResult<(usize, u64)> {
+        let inner = self.inner.clone();
+        py.detach(|| inner.open_read(path)).map_err(err)
+    }
+
     /// Whether file `file` is read and written with O_DIRECT (else buffered, cache dropped).
     fn direct(&self, file: usize) -> PyResult<bool> {
         self.inner.direct(file).map_err(err)

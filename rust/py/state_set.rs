@@ -86,6 +86,11 @@ fn import_param(p: &Bound<'_, PyAny>, name: &str) -> PyResult<(Param, Import)> {
     let complex = p.getattr(intern!(py, "dtype"))?.is(&t.complex64);
     let numel: usize = p.call_method0(intern!(py, "numel"))?.extract()?;
     let imp = Import::new(&export(p, complex)?, name)?;
+    if imp.dtype == DType::U8 {
+        return Err(PyTypeError::new_err(format!(
+            "{name}: dtype must be float32, bfloat16 or float16, got uint8"
+        )));
+    }
     let expected = if complex { 2 * numel } else { numel };
     if imp.len != expected {
         return Err(PyValueError::new_err(format!(
@@ -144,6 +149,7 @@ impl Inner {
             DType::F32 => dtype.is(&t.float32),
             DType::Bf16 => dtype.is(&t.bfloat16),
             DType::F16 => dtype.is(&t.float16),
+            DType::U8 => false,
         };
         if !same_dtype || shape != e.shape || !p.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
             return Err(PyRuntimeError::new_err(format!(
@@ -200,7 +206,7 @@ impl StateSet {
         let exp_avg = Import::new(exp_avg, "exp_avg buffer")?;
         let exp_avg_sq = Import::new(exp_avg_sq, "exp_avg_sq buffer")?;
         let state_dtype = exp_avg.dtype;
-        if state_dtype == DType::F16 {
+        if !matches!(state_dtype, DType::F32 | DType::Bf16) {
             return Err(PyTypeError::new_err(
                 "exp_avg buffer: state dtype must be float32 or bfloat16",
             ));

@@ -56,9 +56,19 @@ class Device(Protocol):
         """Queues ``dst.copy_(src)`` for each pair on ``stream``."""
         ...
 
-    def record(self, stream: Any) -> Any: ...
+    def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
+        """``n`` uninitialized elements of device memory, counted by ``meter``."""
+        ...
 
-    def record_current(self) -> Any: ...
+    def record(self, stream: Any, timing: bool = False) -> Any:
+        """``timing``: the event can be measured with :meth:`elapsed`."""
+        ...
+
+    def record_current(self, timing: bool = False) -> Any: ...
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        """Seconds from ``start`` to ``end`` (timing events) once both completed, else None."""
+        ...
 
     def stream_waits(self, stream: Any, event: Any) -> None: ...
 
@@ -82,6 +92,28 @@ class Device(Protocol):
     def drain(self) -> None:
         """Blocks until everything queued on the side streams has completed."""
         ...
+
+
+class Meter:
+    """Counts the device memory allocated through it (``Device.empty``): bytes held now, and the
+    most held at once. A tensor counts until its storage is garbage."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def track(self, t: Tensor) -> Tensor:
+        n = t.untyped_storage().nbytes()
+        with self._lock:
+            self.current += n
+            self.peak = max(self.peak, self.current)
+        weakref.finalize(t.untyped_storage(), self._free, n)
+        return t
+
+    def _free(self, n: int) -> None:
+        with self._lock:
+            self.current -= n
 
 
 def _drain_then_unregister(cudart: Any, ptr: int, streams: tuple[Any, ...]) -> None:
@@ -129,14 +161,23 @@ class CudaDevice:
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
 
-    def record(self, stream: Any) -> Any:
+    def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
+        t = torch.empty(n, dtype=dtype, device=self.torch_device)
+        return meter.track(t) if meter is not None else t
+
+    def record(self, stream: Any, timing: bool = False) -> Any:
         # Blocking: a host wait sleeps instead of spinning a core.
-        e = torch.cuda.Event(blocking=True)
+        e = torch.cuda.Event(blocking=True, enable_timing=timing)
         e.record(stream)
         return e
 
-    def record_current(self) -> Any:
-        return self.record(torch.cuda.current_stream(self.torch_device))
+    def record_current(self, timing: bool = False) -> Any:
+        return self.record(torch.cuda.current_stream(self.torch_device), timing)
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        if not (start.query() and end.query()):
+            return None
+        return float(start.elapsed_time(end)) / 1e3
 
     def stream_waits(self, stream: Any, event: Any) -> None:
         if event is not None:

@@ -19,8 +19,10 @@ reading ``out_proj.weight``. ``pass_ended(recorded)`` closes every pass.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
@@ -71,9 +73,9 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        stack = self.schedule._local.stack
-        if stack:
-            module = stack[-1]
+        loc = self.schedule._local
+        if loc.stack and not loc.busy:
+            module = loc.stack[-1]
             for a in (*args, *kwargs.values()):
                 for t in a if isinstance(a, (list, tuple)) else (a,):
                     if isinstance(t, Tensor):
@@ -82,7 +84,8 @@ class _Recorder(TorchFunctionMode):
                             if sub is not None:
                                 key = sub.read_key(t)
                                 if key is not None:
-                                    sub.on_read(module, key)
+                                    with self.schedule._busy():
+                                        sub.on_read(module, key)
         return func(*args, **kwargs)
 
 
@@ -90,6 +93,7 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[torch.nn.Module] = []
         self.recorder: _Recorder | None = None
+        self.busy = 0  # inside a subscriber's callback: its own torch calls are not the module's reads
 
 
 class Schedule:
@@ -123,6 +127,14 @@ class Schedule:
                     h.remove()
                 self._handles = []
 
+    @contextlib.contextmanager
+    def _busy(self) -> Iterator[None]:
+        self._local.busy += 1
+        try:
+            yield
+        finally:
+            self._local.busy -= 1
+
     def _live(self) -> list[tuple[Subscription, Subscriber]]:
         out = []
         for s in list(self._subs):
@@ -143,15 +155,17 @@ class Schedule:
             loc.recorder = _Recorder(self, wanted)
             loc.recorder.__enter__()
         loc.stack.append(module)
-        for _, sub in subs:
-            sub.pre_forward(module)
+        with self._busy():
+            for _, sub in subs:
+                sub.pre_forward(module)
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         loc = self._local
         subs = self._live()
         try:
-            for _, sub in reversed(subs):
-                sub.post_forward(module)
+            with self._busy():
+                for _, sub in reversed(subs):
+                    sub.post_forward(module)
         finally:
             if loc.stack and loc.stack[-1] is module:
                 loc.stack.pop()
@@ -160,8 +174,9 @@ class Schedule:
                 if rec is not None:
                     rec.__exit__(None, None, None)
                 recorded = {id(s) for s in rec.subs} if rec is not None else set()
-                for s, sub in subs:
-                    sub.pass_ended(id(s) in recorded)
+                with self._busy():
+                    for s, sub in subs:
+                        sub.pass_ended(id(s) in recorded)
 
 
 SCHEDULE = Schedule()

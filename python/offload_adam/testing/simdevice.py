@@ -31,6 +31,7 @@ import ctypes
 import queue
 import random
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
+
+from ..runtime.device import Meter
 
 
 def _bump_version(t: Tensor) -> None:
@@ -59,9 +62,22 @@ class SimEvent:
         self._deps = deps
         self._stream: _Stream | None = None
         self._index = 0
+        self._created = time.perf_counter()
+        self._time: float | None = None
 
     def _complete(self) -> None:
+        self._time = time.perf_counter()
         self._done.set()
+
+    def time(self) -> float | None:
+        """When it completed (an event of the current stream: when its waits had, or when it
+        was recorded, the later); None before."""
+        if self._deps is None:
+            return self._time if self._done.is_set() else None
+        times = [d.time() for d in self._deps]
+        if any(t is None for t in times):
+            return None
+        return max([self._created, *[t for t in times if t is not None]])
 
     def wait(self) -> None:
         if self._deps is None:
@@ -212,6 +228,7 @@ class SimulatedDevice:
         self._count_lock = threading.Lock()
         self._hosts: dict[int, _HostAlloc] = {}
         self._device_mem: dict[int, Any] = {}  # storages queued copies have used: device memory
+        self.allocated = Meter()  # device memory allocated through `empty`, current and peak
         self.d2h = _Stream(self, "d2h", seed * 2 + 1)
         self.h2d = _Stream(self, "h2d", seed * 2 + 2)
         # Testing aid of the simulator itself: False models a release that does not wait for
@@ -350,13 +367,26 @@ class SimulatedDevice:
 
         stream.submit(run)
 
-    def record(self, stream: Any) -> SimEvent:
+    def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
+        """Device memory: a CPU tensor the simulator treats as device memory (waits of the
+        current stream are honoured before operations on it), NaN-filled (never initialized)."""
+        with self._host_section():
+            t = torch.full((n,), float("nan"), dtype=dtype) if dtype.is_floating_point else torch.empty(n, dtype=dtype)
+        self._note_device(t)
+        self.allocated.track(t)
+        return meter.track(t) if meter is not None else t
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        t0, t1 = start.time(), end.time()
+        return None if t0 is None or t1 is None else max(0.0, t1 - t0)
+
+    def record(self, stream: Any, timing: bool = False) -> SimEvent:
         e = SimEvent()
         e._stream = stream
         e._index = stream.submit(e._complete)
         return e
 
-    def record_current(self) -> SimEvent:
+    def record_current(self, timing: bool = False) -> SimEvent:
         return SimEvent(list(_local.pending))
 
     def stream_waits(self, stream: Any, event: Any) -> None:

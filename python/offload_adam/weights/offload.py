@@ -1,0 +1,338 @@
+"""``offload_weights``: a model's weights kept on the host (pinned RAM or NVMe) and streamed to
+the device block by block, ahead of need (see ``streamer.py``), with whole blocks resident on
+the device as far as ``gpu_budget_gb`` allows."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..runtime.device import Device, Meter, device_for
+from ..runtime.pinned import PinnedArena
+from .blocks import Block, find_blocks
+from .checkpoint import Checkpoint
+from .storage import HostWeights, NvmeWeights
+from .streamer import Streamer, placeholders
+
+GiB = 1 << 30
+STORAGES = ("cpu", "nvme")
+ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
+
+
+def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int) -> int:
+    """Device bytes of the streaming ring for ``streamed`` blocks (see ``streamer.py``)."""
+    general = [blocks[b].nbytes for b in streamed if b not in own]
+    return min(prefetch + 1, len(general)) * max(general, default=0) + sum(blocks[b].nbytes for b in streamed if b in own)
+
+
+def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
+    """Blocks that need a slot of their own: run by several modules (tied parameters), or
+    holding parameters of a module that runs other blocks (they stay needed meanwhile)."""
+    triggers = {id(m): b.index for b in blocks for m in b.modules}
+    own = set()
+    for b in blocks:
+        if b.shared:
+            own.add(b.index)
+            continue
+        if not b.layer:
+            for m in b.modules:
+                if any(id(c) in triggers and triggers[id(c)] != b.index for c in m.modules()):
+                    own.add(b.index)
+    return own
+
+
+def choose_resident(blocks: Sequence[Block], budget: int | None, prefetch: int, buffers: int) -> set[int]:
+    """The blocks kept resident within ``budget`` bytes (None: none), after the ring: small
+    blocks first (not layers, by size), then layers in order. Raises if the ring alone (with
+    the buffers, always resident) does not fit."""
+    own = own_slot_blocks(blocks)
+    every = [b.index for b in blocks]
+    if budget is None:
+        return set()
+
+    def cost(res: set[int]) -> int:
+        streamed = [i for i in every if i not in res]
+        return buffers + sum(blocks[i].nbytes for i in res) + ring_bytes(blocks, streamed, own, prefetch)
+
+    if cost(set()) > budget:
+        raise ValueError(
+            f"gpu_budget_gb: {budget / GiB:.4g} GiB is smaller than the streaming ring with prefetch={prefetch} "
+            f"({cost(set()) / GiB:.4g} GiB, buffers included)"
+        )
+    order = sorted((b.index for b in blocks if not b.layer), key=lambda i: blocks[i].nbytes) + [b.index for b in blocks if b.layer]
+    res: set[int] = set()
+    for i in order:
+        if cost(res | {i}) <= budget:
+            res.add(i)
+    return res
+
+
+def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, ATTR, None) is not None:
+        raise ValueError("model: its weights are offloaded already (close() the first offload)")
+    for n, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type not in ("cpu", "meta"):
+            raise ValueError(
+                f"model: {n} is on {t.device}; offload_weights takes a model on the CPU (build it there, "
+                "or with accelerate.init_empty_weights() and checkpoint=) and puts on the device what fits"
+            )
+    for n, p in model.named_parameters():
+        if p.device.type == "meta" and checkpoint is None:
+            raise ValueError(f"model: parameter {n} is on the meta device: pass checkpoint= to load the weights")
+    for n, b in model.named_buffers():
+        if b.device.type == "meta":
+            raise ValueError(f"model: buffer {n} is on the meta device (build with init_empty_weights(include_buffers=False))")
+
+
+def _bind(p: torch.nn.Parameter, data: Tensor) -> None:
+    """Points ``p`` at ``data``; a parameter on the meta device (``init_empty_weights``) cannot
+    take new data, so its contents are swapped for a parameter over ``data``: the object stays,
+    and with it every module holding it and every tie."""
+    if p.device.type == "meta":
+        torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
+    else:
+        p.data = data
+
+
+class WeightOffload:
+    """The handle :func:`offload_weights` returns: ``report()``, ``reset_stats()``, ``close()``."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: Device,
+        *,
+        storage: str,
+        nvme_dir: Any,
+        checkpoint: Any,
+        gpu_budget_gb: float | None,
+        prefetch: int,
+        blocks: list[torch.nn.Module] | None,
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.storage = storage
+        self.blocks = find_blocks(model, blocks)
+        self.meter = Meter()
+        self.arena = PinnedArena(device)
+        buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
+        buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers)
+        budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
+        self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes)
+        streamed = [b.index for b in self.blocks if b.index not in self.resident]
+        self.streamed = streamed
+        ck = Checkpoint(checkpoint) if checkpoint is not None else None
+        where = ck.locate(self.blocks) if ck is not None else None
+        stream_blocks = [self.blocks[i] for i in streamed]
+        if storage == "nvme":
+            self.source: HostWeights | NvmeWeights = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, prefetch + 2)
+        else:
+            self.source = HostWeights(self.arena, stream_blocks)
+        self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
+        try:
+            self._fill(ck, where, buffers)
+        except BaseException:
+            self.source.close()
+            raise
+        finally:
+            if ck is not None:
+                ck.close()
+        own = own_slot_blocks(self.blocks)
+        triggers = {id(m): b.index for b in self.blocks for m in b.modules}
+        guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
+        self.streamer = Streamer(device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders)
+        self.prefetch = prefetch
+        self.closed = False
+        setattr(model, ATTR, self)
+
+    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]]) -> None:
+        """Every block's bytes into their storage (streamed) or device memory (resident), from
+        the model's own tensors or the checkpoint, block by block; each block's host tensors
+        are freed once it is stored (its parameters then point to their placeholders), so the
+        host holds the model at most once."""
+        dev = self.device
+        for b in self.blocks:
+            resident = b.index in self.resident
+            dst = torch.empty(b.nbytes, dtype=torch.uint8) if resident else self.source.staging(b)
+            if ck is not None:
+                ck.read_block(b, where, dst)
+            else:
+                for e in b.entries:
+                    e.view(dst).copy_(e.param.detach())
+            if resident:
+                outs = [dev.empty(e.param.numel(), e.param.dtype, self.meter).view(e.param.shape) for e in b.entries]
+                dev.copy([(o, e.view(dst)) for o, e in zip(outs, b.entries)], dev.h2d)
+                dev.host_wait(dev.record(dev.h2d))
+                for o, e in zip(outs, b.entries):
+                    _bind(e.param, o)
+            else:
+                self.source.store(b)
+                for e, ph in zip(b.entries, self.placeholders[b.index]):
+                    _bind(e.param, ph)
+        moved: dict[int, Tensor] = {}
+        for m, name, buf in buffers:
+            out = moved.get(id(buf))
+            if out is None:
+                out = moved[id(buf)] = dev.empty(buf.numel(), buf.dtype, self.meter).view(buf.shape)
+                dev.copy([(out, buf)], dev.h2d)
+                dev.host_wait(dev.record(dev.h2d))
+            m._buffers[name] = out
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def report(self) -> dict[str, Any]:
+        """What the offload holds and moved: ``gpu_peak_bytes`` (the most device memory it
+        allocated at once: ring, resident blocks, buffers), ``gpu_resident_bytes`` (resident
+        blocks and buffers), ``ring_bytes``, ``host_pinned_bytes``, ``nvme_bytes``,
+        ``weights_bytes`` (every block), ``streamed_bytes``; since the last
+        :meth:`reset_stats`: ``h2d_bytes`` and ``h2d_s`` (time the copies took on the device),
+        ``stall_s`` (time compute waited for a weight), ``passes`` (forwards), ``loads`` and
+        ``on_demand_loads`` (loads not prefetched), and with ``storage="nvme"`` ``read_bytes``
+        and ``io_wait_s`` (host time waiting for the disk)."""
+        st = self.streamer
+        h2d_s, stall_s = st.timings()
+        resident = sum(self.blocks[i].nbytes for i in self.resident) + sum(
+            b.numel() * b.element_size() for b in self.model.buffers()
+        )
+        out: dict[str, Any] = {
+            "gpu_peak_bytes": self.meter.peak,
+            "gpu_resident_bytes": resident,
+            "ring_bytes": st.ring_bytes,
+            "host_pinned_bytes": self.arena.nbytes,
+            "nvme_bytes": self.source.nvme_bytes,
+            "weights_bytes": sum(b.nbytes for b in self.blocks),
+            "streamed_bytes": sum(self.blocks[i].nbytes for i in self.streamed),
+            "h2d_bytes": st.stats["h2d_bytes"],
+            "h2d_s": h2d_s,
+            "stall_s": stall_s,
+            "passes": st.stats["passes"],
+            "loads": st.stats["loads"],
+            "on_demand_loads": st.stats["on_demand"],
+            "blocks": len(self.blocks),
+            "streamed_blocks": len(self.streamed),
+            "prefetch": self.prefetch,
+            "storage": self.storage,
+        }
+        out.update(self.source.io_stats())
+        return out
+
+    def reset_stats(self) -> None:
+        self.streamer.reset_stats()
+        if isinstance(self.source, NvmeWeights):
+            self.source.stats = dict.fromkeys(self.source.stats, 0.0)
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Every parameter back on the host as an ordinary tensor equal to its current value,
+        buffers too; the device memory and the files freed."""
+        if self.closed:
+            return
+        self.streamer.close()
+        self.device.drain()
+        for b in self.blocks:
+            if b.index in self.resident:
+                for e in b.entries:
+                    e.param.data = self._to_host(e.param.detach())
+            else:
+                data = self.source.read(b)
+                for e in b.entries:
+                    e.param.data = e.view(data).clone()
+        for m in self.model.modules():
+            for name, buf in m._buffers.items():
+                if buf is not None:
+                    m._buffers[name] = self._to_host(buf)
+        self.source.close()
+        self.streamer.slots.clear()
+        self.closed = True
+        if getattr(self.model, ATTR, None) is self:
+            delattr(self.model, ATTR)
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        out = torch.empty(t.shape, dtype=t.dtype)
+        self.device.stream_waits(self.device.d2h, self.device.record_current())  # after its last writer
+        self.device.copy([(out, t)], self.device.d2h)
+        self.device.host_wait(self.device.record(self.device.d2h))
+        return out
+
+    def __enter__(self) -> WeightOffload:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def offload_weights(
+    model: torch.nn.Module,
+    device: Any = None,
+    *,
+    storage: str = "cpu",
+    nvme_dir: Any = None,
+    checkpoint: Any = None,
+    gpu_budget_gb: float | None = None,
+    prefetch: int = 2,
+    blocks: list[torch.nn.Module] | None = None,
+) -> WeightOffload:
+    """Keeps ``model``'s weights on the host and streams them to ``device`` block by block
+    (see the README, "Weights offloaded").
+
+    Args:
+        model: an ``nn.Module`` on the CPU with float32, bfloat16 or float16 parameters (or
+            built with ``accelerate.init_empty_weights()``, with ``checkpoint``).
+        device: the device to run on (default: the current CUDA device; inside
+            ``offload_adam.testing.simulated_device()``, the simulated device).
+        storage: ``"cpu"`` (pinned host memory) or ``"nvme"`` (files under ``nvme_dir``).
+        nvme_dir: with ``storage="nvme"``: an existing directory on an SSD.
+        checkpoint: a ``.safetensors`` file or an HF folder (sharded index or not) to load the
+            weights from, into their storage, without materialising them.
+        gpu_budget_gb: GiB of device memory for the offload: whole blocks stay resident as far
+            as they fit after the ring (small blocks first, then layers); None streams every block.
+        prefetch: blocks copied ahead of the one running (0: none; the ring has prefetch + 1 slots).
+        blocks: the modules to stream as blocks (default: each layer of a ModuleList of
+            repeated layers, and each other module with parameters of its own).
+
+    Returns the :class:`WeightOffload` handle. Every error is raised before anything changes.
+    """
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    if storage == "nvme":
+        if nvme_dir is None:
+            raise ValueError('storage="nvme" needs nvme_dir: a directory on the SSD that holds the weights')
+        if not isinstance(nvme_dir, (str, os.PathLike)) or not os.path.isdir(nvme_dir):
+            raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
+    elif nvme_dir is not None:
+        raise ValueError(f'nvme_dir is only used with storage="nvme", got storage={storage!r}')
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
+    if gpu_budget_gb is not None and not (isinstance(gpu_budget_gb, (int, float)) and gpu_budget_gb >= 0):
+        raise ValueError(f"gpu_budget_gb must be a number >= 0 or None, got {gpu_budget_gb!r}")
+    if blocks is not None and not isinstance(blocks, (list, tuple)):
+        raise TypeError(f"blocks must be a list of modules, got {type(blocks).__name__}")
+    _check_model(model, checkpoint)
+    dev = _device(device)
+    return WeightOffload(
+        model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
+        prefetch=prefetch, blocks=list(blocks) if blocks is not None else None,
+    )  # fmt: skip
+
+
+def _device(device: Any) -> Device:
+    if device is None:
+        sim = device_for(torch.device("cpu"))  # installed by offload_adam.testing.simulated_device()
+        if sim is not None:
+            return sim
+        if not torch.cuda.is_available():
+            raise ValueError("device: no CUDA device here (offload_weights streams weights to a GPU)")
+        device = torch.device("cuda", torch.cuda.current_device())
+    d = torch.device(device)
+    if d.type != "cuda" and not (d.type == "cpu" and device_for(d) is not None):
+        raise ValueError(f"device: {d} is not a CUDA device")
+    dev = device_for(d)
+    assert dev is not None
+    return dev

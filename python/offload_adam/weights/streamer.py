@@ -1,0 +1,447 @@
+"""The streamer: streamed blocks copied into a static ring of device slots just before they run.
+
+The ring is allocated once: ``min(prefetch + 1, streamed blocks)`` general slots, each the size
+of the largest streamed block run by one module, and one slot of its own for each streamed block
+that stays needed while other blocks run (run by several modules, as a tied embedding and head;
+or holding parameters of a module that calls other blocks). No allocation happens afterwards.
+
+It subscribes to the module schedule (``runtime/schedule.py``). When a block's module starts its
+forward (its *activation*), the block's parameters become views of its slot and the compute
+stream waits for the block's copy event with a stream wait (never a host wait); when it ends,
+they point to a placeholder that holds no device memory (a NaN scalar expanded to their shape,
+so a read outside the block's forward gives NaN, never stale weights), and an event recorded on
+the compute stream marks the slot free: the next copy into it waits for that event on the
+host-to-device stream.
+
+Prefetch follows the order of activations recorded on a forward (a *pass*, see the schedule):
+each activation is an *instance* of its block (a block with a slot of its own has one instance
+per pass, from its first activation to its last), loaded in order; at the activation of instance
+g, the instances up to g + ``prefetch`` are queued into free slots (cyclically: after the last
+of a pass, the first of the next). A pass whose activations differ from the recorded order (or
+the first, whose order is a guess from the model's module order) loads what it needs on demand,
+is exact all the same, and is recorded as the new order. Reads of a block's parameters by other
+modules (a parent reading a child's weight) are found on recorded passes and loaded then; later
+passes load them when the reading module starts.
+
+Where a block's bytes come from is its *source* (``storage.py``): pinned host memory, or NVMe
+pages read ahead into pinned staging slots (an NVMe read is the one wait done on the host).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ..runtime.device import Device, Meter
+from ..runtime.schedule import SCHEDULE
+from .blocks import Block
+
+log = logging.getLogger("offload_adam")
+
+
+class Source(Protocol):
+    """Where streamed blocks' bytes live on the host."""
+
+    def start(self, b: Block) -> bool:
+        """Starts bringing ``b``'s bytes into host memory (read ahead); False: no room now."""
+        ...
+
+    def host(self, b: Block) -> Tensor:
+        """``b``'s bytes in pinned host memory (waits for a read), a uint8 tensor."""
+        ...
+
+    def done(self, b: Block, event: Any) -> None:
+        """The copy reading :meth:`host` of ``b`` completes at ``event``."""
+        ...
+
+    def reset(self) -> None:
+        """After a fault: forgets what was read ahead."""
+        ...
+
+
+@dataclass(eq=False)
+class _Slot:
+    buf: Tensor  # uint8 device memory
+    own: int | None = None  # the block this slot is reserved for, if any
+    block: int | None = None  # the block loaded (or being loaded) into it
+    free_event: Any = None  # compute-stream event after the last use of its previous block
+    views: dict[int, list[Tensor]] = field(default_factory=dict)  # block -> its parameters in this slot
+
+
+@dataclass
+class _Loaded:
+    g: int  # the instance (pass * instances per pass + index); -1: loaded on demand
+    slot: _Slot
+    event: Any  # its copy's completion
+    last: int  # absolute position of its last planned activation (-1: release after this one)
+
+
+def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[int, list[Tensor]]:
+    """What each parameter of ``blocks`` points to outside its block's forward: one NaN of its
+    dtype on the device, expanded to its shape (no memory of its own)."""
+    nan: dict[torch.dtype, Tensor] = {}
+    out: dict[int, list[Tensor]] = {}
+    for b in blocks:
+        ph = []
+        for e in b.entries:
+            if e.param.dtype not in nan:
+                nan[e.param.dtype] = device.empty(1, e.param.dtype, meter).fill_(float("nan")).view(())
+            ph.append(nan[e.param.dtype].expand(e.param.shape))
+        out[b.index] = ph
+    return out
+
+
+def plan(order: Sequence[int], own: set[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The instances of one pass of ``order`` (block, first position, last position), in the
+    order they are loaded, and the instance of each position. A block with a slot of its own
+    has one instance per pass; any other block one per activation."""
+    span: dict[int, list[int]] = {}
+    for pos, b in enumerate(order):
+        if b in own:
+            span.setdefault(b, [pos, pos])[1] = pos
+    inst: list[tuple[int, int, int]] = []
+    of_pos: list[int] = []
+    first: dict[int, int] = {}
+    for pos, b in enumerate(order):
+        if b in own:
+            if b not in first:
+                first[b] = len(inst)
+                inst.append((b, span[b][0], span[b][1]))
+            of_pos.append(first[b])
+        else:
+            of_pos.append(len(inst))
+            inst.append((b, pos, pos))
+    return inst, of_pos
+
+
+class Streamer:
+    """Streams ``streamed`` blocks of ``blocks`` through a ring on ``device`` (see the module
+    documentation)."""
+
+    def __init__(
+        self,
+        device: Device,
+        blocks: list[Block],
+        streamed: list[int],
+        own: set[int],
+        source: Source,
+        prefetch: int,
+        meter: Meter,
+        guess: list[int],
+        placeholders: dict[int, list[Tensor]],
+    ) -> None:
+        self.device = device
+        self.blocks = blocks
+        self.source = source
+        self.prefetch = prefetch
+        self.meter = meter
+        self.streamed = set(streamed)
+        self.own = own & self.streamed
+        general = [b for b in streamed if b not in self.own]
+        self.slot_bytes = max((blocks[b].nbytes for b in general), default=0)
+        self.slots = [_Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(min(prefetch + 1, len(general)))]
+        self.slots += [_Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(self.own)]
+        self.placeholders = placeholders
+        self.trigger: dict[int, int] = {id(m): b for b in streamed for m in blocks[b].modules}
+        self.param_block: dict[int, int] = {id(e.param): b for b in streamed for e in blocks[b].entries}
+        self.readers: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
+        self.reading: dict[int, list[int]] = {}  # id(module) -> blocks activated for its reads, this pass
+        # The order, and where this pass is in it.
+        self.order: list[int] = [b for b in guess if b in self.streamed]
+        self.inst, self.of_pos = plan(self.order, self.own)
+        self.npass = 0
+        self.pos = 0
+        self.seen: list[int] = []
+        self.mismatch = False
+        self.faulted = False
+        self.next_load = 0
+        self.loaded: dict[int, _Loaded] = {}
+        self.active: dict[int, int] = {}
+        self.act_pos: dict[int, int] = {}
+        self.reset_stats()
+        self.started: dict[int, int] = {}  # recording: id(module) -> where its forward started in `seen`
+        self.recording = False
+        self.sub = SCHEDULE.subscribe(self)
+        self._record()
+
+    def _record(self) -> None:
+        """The next pass records reads (a module reading another block's parameters)."""
+        self.sub.record_next()
+        self.recording = True
+
+    # -- the ring -------------------------------------------------------------------------------
+
+    def _views(self, slot: _Slot, b: int) -> list[Tensor]:
+        v = slot.views.get(b)
+        if v is None:
+            v = slot.views[b] = [e.view(slot.buf) for e in self.blocks[b].entries]
+        return v
+
+    def _point(self, b: int, slot: _Slot | None) -> None:
+        views = self.placeholders[b] if slot is None else self._views(slot, b)
+        for e, v in zip(self.blocks[b].entries, views):
+            e.param.data = v
+
+    def _free_slot(self, b: int) -> _Slot | None:
+        for s in self.slots:
+            if s.block is None and (s.own == b if b in self.own else s.own is None):
+                return s
+        return None
+
+    def _evict_for(self, b: int) -> _Slot:
+        """A slot for ``b`` when none is free: one holding a block not running (the one needed
+        last), else a new one (the ring grows: a forward holds more blocks at once than it has)."""
+        cands = [(ld.g, c) for c, ld in self.loaded.items() if c not in self.active and (ld.slot.own == b if b in self.own else ld.slot.own is None)]
+        if cands:
+            _, c = max(cands)
+            slot = self.loaded.pop(c).slot
+            slot.block = None
+            return slot
+        size = self.blocks[b].nbytes
+        log.warning(
+            "offload_adam: offload_weights: block %s needed while every slot of the ring is in use; the ring grows by %d bytes",
+            self.blocks[b].name, size,
+        )  # fmt: skip
+        slot = _Slot(self.device.empty(size, torch.uint8, self.meter), own=b if b in self.own else None)
+        if b not in self.own:
+            self.slot_bytes = max(self.slot_bytes, size)
+        self.slots.append(slot)
+        return slot
+
+    def _load(self, b: int, g: int, last: int, slot: _Slot | None = None) -> _Loaded:
+        """Queues the copy of block ``b`` into a slot (after that slot's last use)."""
+        dev = self.device
+        if slot is None:
+            slot = self._free_slot(b) or self._evict_for(b)
+        blk = self.blocks[b]
+        try:
+            host = self.source.host(blk)
+        except BaseException:
+            self._fault()
+            raise
+        dev.stream_waits(dev.h2d, slot.free_event)
+        e0 = dev.record(dev.h2d, timing=True)
+        with torch.profiler.record_function("offload_adam.weights_h2d"):
+            dev.copy([(slot.buf[: blk.nbytes], host[: blk.nbytes])], dev.h2d)
+        e1 = dev.record(dev.h2d, timing=True)
+        self.source.done(blk, e1)
+        self._copies.append((e0, e1))
+        self.stats["h2d_bytes"] += blk.nbytes
+        self.stats["loads"] += 1
+        slot.block = b
+        ld = self.loaded[b] = _Loaded(g, slot, e1, last)
+        return ld
+
+    def _abs(self, pos: int) -> int:
+        return self.npass * len(self.order) + pos
+
+    def _prefetch(self, g: int) -> None:
+        """Queues the instances after ``g`` up to ``g + prefetch``, in order, while slots are free;
+        starts reading the one after (an NVMe source reads it into a staging slot)."""
+        n = len(self.inst)
+        if not n:
+            return
+        self.next_load = max(self.next_load, g + 1)
+        while self.next_load <= g + self.prefetch:
+            j, p = self.next_load % n, self.next_load // n
+            b, first, last = self.inst[j]
+            ld = self.loaded.get(b)
+            if ld is not None:
+                if b in self.active or ld.last >= p * len(self.order) + first:
+                    self.next_load += 1  # still there when that instance comes (a nested activation)
+                    continue
+                break  # released before it is needed again: loaded after
+            slot = self._free_slot(b)
+            if slot is None:
+                break
+            self._load(b, self.next_load, p * len(self.order) + last, slot)
+            self.next_load += 1
+        for k in range(self.next_load, self.next_load + self.prefetch + 1):
+            b = self.inst[k % n][0]
+            if b not in self.loaded and not self.source.start(self.blocks[b]):
+                break
+
+    def _cancel(self) -> None:
+        """Drops the loaded blocks not running (prefetched for an order that no longer holds)."""
+        for c in [c for c in self.loaded if c not in self.active]:
+            self.loaded.pop(c).slot.block = None
+
+    def _fault(self) -> None:
+        """A load failed: nothing read ahead is trusted; the next pass loads again, in the
+        order recorded before (not this pass's, which stops at the fault)."""
+        self._cancel()
+        self.source.reset()
+        self.mismatch = True
+        self.faulted = True
+
+    # -- activations ----------------------------------------------------------------------------
+
+    def activate(self, b: int, at: int | None = None) -> None:
+        """Block ``b`` is needed now; ``at``: the position of the pass it belongs to, if not
+        the next one (a read by a module found mid-way: it belongs where that module started)."""
+        pos = self.pos
+        self.pos += 1
+        if at is None:
+            self.seen.append(b)
+        else:
+            self.seen.insert(at, b)
+            self.mismatch = True  # the order of this pass is being discovered
+        planned = not self.mismatch and pos < len(self.order) and self.order[pos] == b
+        if not planned and not self.mismatch:
+            self.mismatch = True
+            self._cancel()
+        ld = self.loaded.get(b)
+        g = -1
+        if planned:
+            j = self.of_pos[pos]
+            g = self.npass * len(self.inst) + j
+            if ld is None or ld.g != g:
+                if ld is not None and b not in self.active:
+                    self.loaded.pop(b).slot.block = None
+                if b not in self.loaded:  # not prefetched (prefetch 0, or no slot was free)
+                    ld = self._load(b, g, self._abs(self.inst[j][2]))
+                ld = self.loaded[b]
+        elif ld is None:
+            self.stats["on_demand"] += 1
+            ld = self._load(b, -1, -1)
+        assert ld is not None
+        if b not in self.active:
+            dev = self.device
+            e0 = dev.record_current(timing=True)
+            dev.current_waits(ld.event)
+            self._stalls.append((e0, dev.record_current(timing=True)))
+            self._point(b, ld.slot)
+        self.active[b] = self.active.get(b, 0) + 1
+        self.act_pos[b] = self._abs(pos)
+        if planned:
+            self._prefetch(g)
+
+    def deactivate(self, b: int) -> None:
+        n = self.active.get(b, 0)
+        if n == 0:  # its activation failed
+            return
+        if n > 1:
+            self.active[b] = n - 1
+            return
+        del self.active[b]
+        self._point(b, None)
+        ld = self.loaded.get(b)
+        if ld is not None and (self.mismatch or ld.last <= self.act_pos.get(b, 0)):
+            ld.slot.free_event = self.device.record_current()
+            ld.slot.block = None
+            del self.loaded[b]
+
+    # -- the schedule's subscriber interface ----------------------------------------------------
+
+    def pre_forward(self, module: torch.nn.Module) -> None:
+        if self.recording:
+            self.started[id(module)] = len(self.seen)
+        b = self.trigger.get(id(module))
+        if b is not None:
+            self.activate(b)
+        extra = self.readers.get(module)
+        if extra:
+            acts = self.reading.setdefault(id(module), [])
+            for c in sorted(extra):
+                if c not in self.active:
+                    self.activate(c)
+                    acts.append(c)
+
+    def post_forward(self, module: torch.nn.Module) -> None:
+        for c in self.reading.pop(id(module), []):
+            self.deactivate(c)
+        b = self.trigger.get(id(module))
+        if b is not None:
+            self.deactivate(b)
+
+    def read_key(self, t: Tensor) -> int | None:
+        return self.param_block.get(id(t))
+
+    def on_read(self, module: torch.nn.Module, key: Any) -> None:
+        if key in self.active:
+            return
+        # Read by a module that is not the block's: loaded now (the call has not run yet), and
+        # from the next pass on when that module starts.
+        self.readers.setdefault(module, set()).add(key)
+        self.activate(key, at=self.started.get(id(module), len(self.seen)))
+        self.reading.setdefault(id(module), []).append(key)
+
+    def pass_ended(self, recorded: bool) -> None:
+        if not self.seen:
+            return  # none of our blocks ran
+        for b in list(self.active):  # a pass that ended without its post-hooks (an interrupt)
+            self.active[b] = 1
+            self.deactivate(b)
+        self.reading.clear()
+        self.started.clear()
+        self.recording = False
+        changed = self.mismatch or self.seen != self.order
+        if changed:
+            self._cancel()
+            if not self.faulted:
+                self.order = self.seen
+                self.inst, self.of_pos = plan(self.order, self.own)
+                self._record()
+        self.seen = []
+        self.mismatch = self.faulted = False
+        self.npass += 1
+        self.pos = 0
+        self.stats["passes"] += 1
+        self._fold()
+        first = self.npass * len(self.inst)
+        if changed:
+            self.next_load = first
+        self._prefetch(first - 1)  # the next pass's first blocks, during whatever comes between
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def reset_stats(self) -> None:
+        self.stats = {"h2d_bytes": 0, "loads": 0, "on_demand": 0, "passes": 0}
+        self._copies: list[tuple[Any, Any]] = []  # (start, end) of copies not yet counted
+        self._stalls: list[tuple[Any, Any]] = []  # compute stream before and after a wait
+        self._h2d_s = self._stall_s = 0.0
+
+    def _fold(self) -> None:
+        """Counts the timings that have completed (and drops their events)."""
+        dev = self.device
+        for pairs, attr in ((self._copies, "_h2d_s"), (self._stalls, "_stall_s")):
+            keep = []
+            total = getattr(self, attr)
+            for a, b in pairs:
+                t = dev.elapsed(a, b)
+                if t is None:
+                    keep.append((a, b))
+                else:
+                    total += t
+            pairs[:] = keep
+            setattr(self, attr, total)
+
+    def timings(self) -> tuple[float, float]:
+        """(seconds the copies took, seconds compute waited for them) since the last reset;
+        waits for the copies in flight."""
+        dev = self.device
+        for _, e in self._copies[-1:]:
+            dev.host_wait(e)
+        t0 = time.perf_counter()
+        self._fold()
+        while (self._copies or self._stalls) and time.perf_counter() - t0 < 10:
+            time.sleep(0.001)
+            self._fold()
+        return self._h2d_s, self._stall_s
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(s.buf.numel() for s in self.slots)
+
+    def close(self) -> None:
+        self.sub.cancel()
+        self.device.drain()
+        self.loaded.clear()
+        self.active.clear()

@@ -1,0 +1,397 @@
+"""Weights offloaded for inference (offload_adam.offload_weights), on the CPU through the
+simulated device: copies run after random seeded delays, the compute stream's waits are lazy,
+a weight read outside its block's forward reads NaN (its placeholder), uninitialized device
+memory is NaN. Small HF models built from configs with random weights (GPT-2 with tied
+embeddings, Llama with grouped-query attention), exact against the same model resident."""
+
+from __future__ import annotations
+
+import copy
+import errno
+import gc
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import testing
+from offload_adam.testing.simdevice import SimulatedDevice
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.set_verbosity_error()
+
+VOCAB = 256
+
+
+def gpt2(dtype: torch.dtype, seed: int = 0, layers: int = 6) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=layers, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0, pad_token_id=0
+    )
+    return transformers.GPT2LMHeadModel(cfg).to(dtype).eval()
+
+
+def llama(dtype: torch.dtype, seed: int = 0, layers: int = 6) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def prompt(seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, VOCAB, (2, 7), generator=g)
+
+
+@torch.no_grad()
+def run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The logits of one forward, and the tokens of a 24-token greedy generate."""
+    logits = model(x).logits
+    tokens = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0
+    )
+    return logits, tokens
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def budget(model: torch.nn.Module, what: str) -> float | None:
+    total = weight_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
+    return {"none": None, "half": 0.5 * total / 2**30, "most": 0.9 * total / 2**30}[what]
+
+
+@pytest.fixture
+def nvme_dir(tmp_path: Any) -> Iterator[str]:
+    d = tmp_path / "nvme"
+    d.mkdir()
+    yield str(d)
+    assert os.listdir(d) == []  # every run directory removed
+
+
+# storage, budget, prefetch, seed: every value of each, over several seeds.
+CASES = [
+    ("cpu", "none", 0, 0),
+    ("cpu", "half", 1, 1),
+    ("cpu", "most", 3, 2),
+    ("nvme", "none", 3, 1),
+    ("nvme", "half", 0, 2),
+    ("nvme", "most", 1, 0),
+]
+
+
+@pytest.mark.parametrize("storage, budget_of, prefetch, seed", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_logits_and_generate_are_bitwise_the_resident_models(
+    arch: str, dtype: torch.dtype, storage: str, budget_of: str, prefetch: int, seed: int, nvme_dir: str
+) -> None:
+    model = MODELS[arch](dtype, seed)
+    ref = copy.deepcopy(model)
+    x = prompt(seed)
+    want = run(ref, x)
+    nvme = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
+        h = offload_adam.offload_weights(model, storage=storage, gpu_budget_gb=budget(model, budget_of), prefetch=prefetch, **nvme)
+        rep = h.report()
+        assert rep["streamed_blocks"] > (0 if budget_of == "most" else 2)
+        got = run(model, x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        # Bytes: each streamed weight crosses once per forward, each resident one never.
+        h.reset_stats()
+        with torch.no_grad():
+            model(x)
+        rep = h.report()
+        assert rep["h2d_bytes"] == rep["streamed_bytes"] and rep["on_demand_loads"] == 0
+        assert rep["gpu_peak_bytes"] <= rep["gpu_resident_bytes"] + rep["ring_bytes"] + 64  # (+ the NaN placeholders)
+        assert rep["gpu_peak_bytes"] == sim.allocated.peak  # measured by the device too
+        if storage == "cpu":
+            assert abs(rep["host_pinned_bytes"] - rep["streamed_bytes"]) <= 0.01 * rep["streamed_bytes"]
+        else:  # the staging ring: prefetch + 2 slots of the largest streamed block's page
+            page = max(-(-h.blocks[i].nbytes // 4096) * 4096 for i in h.streamed)
+            assert (prefetch + 2) * page <= rep["host_pinned_bytes"] <= (prefetch + 2) * (page + 4096)  # (+ alignment)
+            assert rep["nvme_bytes"] == sum(-(-h.blocks[i].nbytes // 4096) * 4096 for i in h.streamed)
+        h.close()
+        assert sim.violations == []
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, want[0])  # back on the host, as it was
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_every_weight_streamed_is_stored_once_and_pinned_exactly(arch: str) -> None:
+    """GPT-2's head is its embedding (tied): stored once, streamed once per forward. The pinned
+    copy is the weights' own bytes (within 1%), not a power-of-two rounding of each."""
+    model = MODELS[arch](torch.bfloat16)
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
+        h = offload_adam.offload_weights(model)
+        rep = h.report()
+        assert abs(rep["host_pinned_bytes"] - weight_bytes(model)) <= 0.01 * weight_bytes(model)
+        if arch == "gpt2":
+            assert model.lm_head.weight is model.transformer.wte.weight
+            (tied,) = [b for b in h.blocks if b.shared]
+            assert set(map(id, tied.modules)) == {id(model.lm_head), id(model.transformer.wte)}
+        h.close()
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def _empty_like(model: torch.nn.Module) -> torch.nn.Module:
+    """The same architecture built with accelerate's init_empty_weights: parameters on the meta
+    device, buffers real."""
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        m = type(model)(model.config).to(next(model.parameters()).dtype)
+    m.tie_weights()  # as from_pretrained does: init_empty_weights re-creates each registered parameter
+    assert all(p.device.type == "meta" for p in m.parameters())
+    return m.eval()
+
+
+@pytest.mark.parametrize("storage", ["cpu", "nvme"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded-folder"])
+@pytest.mark.parametrize("arch, dtype", [("gpt2", torch.float32), ("llama", torch.bfloat16)])
+def test_a_checkpoint_loads_into_an_empty_model(arch: str, dtype: torch.dtype, sharded: bool, storage: str, tmp_path: Any, nvme_dir: str) -> None:
+    """An HF folder with a sharded index (or one .safetensors file) loaded into a model built
+    with init_empty_weights: the same tokens as the model resident; half of it resident."""
+    model = MODELS[arch](dtype, 3)
+    x = prompt(3)
+    want = run(model, x)
+    if sharded:
+        model.save_pretrained(tmp_path / "ckpt", max_shard_size="100KB")
+        ckpt: Any = tmp_path / "ckpt"
+        assert (ckpt / "model.safetensors.index.json").exists()
+    else:
+        from safetensors.torch import save_model
+
+        ckpt = tmp_path / "model.safetensors"
+        save_model(model, str(ckpt))
+    empty = _empty_like(model)
+    nvme = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    with testing.simulated_device(seed=3, max_delay_s=0.001):
+        h = offload_adam.offload_weights(empty, checkpoint=ckpt, storage=storage, gpu_budget_gb=budget(model, "half"), prefetch=1, **nvme)
+        assert not any(p.device.type == "meta" for p in empty.parameters())
+        got = run(empty, x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        h.close()
+
+
+def test_a_checkpoint_that_does_not_match_is_refused_before_anything_changes(tmp_path: Any) -> None:
+    from safetensors.torch import save_file
+
+    model = gpt2(torch.float32, layers=2)
+    sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    for name, change, match in [
+        ("transformer.h.1.mlp.c_fc.weight", None, "has no tensor for parameter 'transformer.h.1.mlp.c_fc.weight'"),
+        ("transformer.h.0.ln_1.bias", lambda t: t[:-1], r"'transformer.h.0.ln_1.bias' is torch.float32 of shape \(63,\)"),
+        ("transformer.wpe.weight", lambda t: t.half(), r"'transformer.wpe.weight' is torch.float16 of shape"),
+    ]:
+        bad = dict(sd)
+        if change is None:
+            del bad[name]
+        else:
+            bad[name] = change(bad[name]).contiguous()
+        save_file(bad, str(tmp_path / "bad.safetensors"))
+        empty = _empty_like(model)
+        with testing.simulated_device(max_delay_s=0.0), pytest.raises(ValueError, match=match):
+            offload_adam.offload_weights(empty, checkpoint=tmp_path / "bad.safetensors")
+        assert all(p.device.type == "meta" for p in empty.parameters())  # nothing changed
+        assert not hasattr(empty, "_offload_adam_weights")
+
+
+# -- bad input ----------------------------------------------------------------------------------
+
+
+def test_bad_input_is_a_clear_error_before_anything_changes(tmp_path: Any) -> None:
+    model = gpt2(torch.float32, layers=2)
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    ref_budget = 1e-6  # GiB: far below the ring
+    cases: list[tuple[dict[str, Any], type, str]] = [
+        ({"storage": "disk"}, ValueError, "storage must be one of"),
+        ({"storage": "nvme"}, ValueError, "needs nvme_dir"),
+        ({"storage": "nvme", "nvme_dir": str(tmp_path / "missing")}, ValueError, "nvme_dir: .* is not a directory"),
+        ({"nvme_dir": str(tmp_path)}, ValueError, 'nvme_dir is only used with storage="nvme"'),
+        ({"prefetch": -1}, ValueError, "prefetch must be an int >= 0"),
+        ({"gpu_budget_gb": ref_budget}, ValueError, "gpu_budget_gb: .* smaller than the streaming ring"),
+        ({"blocks": [model.transformer.h[0], model.transformer.h[0]]}, ValueError, r"blocks\[1\]: module 'transformer.h.0' is listed twice"),
+        ({"blocks": [model.transformer.h[0]]}, ValueError, "these parameters are in no block: transformer.wte.weight"),
+        ({"blocks": [model.transformer, model.transformer.h[0]]}, ValueError, "'transformer' and 'transformer.h.0' share parameters"),
+        ({"blocks": [torch.nn.Linear(2, 2)]}, ValueError, "not a submodule of the model"),
+        ({"checkpoint": tmp_path / "none.safetensors"}, ValueError, "is neither a file nor a directory"),
+    ]
+    with testing.simulated_device(max_delay_s=0.0):
+        for kw, exc, match in cases:
+            with pytest.raises(exc, match=match):
+                offload_adam.offload_weights(model, **kw)
+        assert not hasattr(model, "_offload_adam_weights") and os.listdir(tmp_path) == []
+        for n, p in model.named_parameters():
+            assert p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+        h = offload_adam.offload_weights(model)
+        with pytest.raises(ValueError, match="offloaded already"):
+            offload_adam.offload_weights(model)
+        h.close()
+    with pytest.raises(ValueError, match="is on the meta device: pass checkpoint="):
+        offload_adam.offload_weights(_empty_like(model), device="cuda")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device here"):
+            offload_adam.offload_weights(model)
+
+
+@pytest.mark.cuda
+def test_a_model_already_on_the_gpu_is_refused() -> None:
+    model = gpt2(torch.float32, layers=2).cuda()
+    with pytest.raises(ValueError, match="transformer.wte.weight is on cuda:0; offload_weights takes a model on the CPU"):
+        offload_adam.offload_weights(model)
+
+
+# -- streaming ------------------------------------------------------------------------------------
+
+
+class Stack(torch.nn.Module):
+    """Layers run in an order the caller picks; the head reads the embedding's weight without
+    calling the embedding (a read outside that block's module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(32, 32) for _ in range(5))
+        self.norm = torch.nn.LayerNorm(32)
+
+    def forward(self, x: torch.Tensor, order: list[int] | None = None) -> torch.Tensor:
+        h = self.emb(x)
+        for i in order if order is not None else range(len(self.layers)):
+            h = torch.tanh(self.layers[i](h))
+        return self.norm(h) @ self.emb.weight.t()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_forward_in_another_order_is_exact_and_recorded_again(seed: int, prefetch: int) -> None:
+    torch.manual_seed(seed)
+    model = Stack().eval()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 50, (3, 4))
+    orders = [None, None, [4, 3, 2, 1, 0], [4, 3, 2, 1, 0], [0, 2, 4], None, [1, 1, 3]]
+    with testing.simulated_device(seed=seed, max_delay_s=0.001), torch.no_grad():
+        h = offload_adam.offload_weights(model, prefetch=prefetch)
+        for k, order in enumerate(orders):
+            assert torch.equal(model(x, order), ref(x, order)), k
+            if k and order == orders[k - 1]:
+                assert h.report()["on_demand_loads"] == 0, k  # the order recorded on the pass before
+            h.reset_stats()
+        h.close()
+
+
+def test_a_weight_read_outside_its_blocks_forward_is_nan() -> None:
+    """Outside its block's forward a streamed parameter is a placeholder without memory: NaN,
+    never stale weights (the simulator's poisoning is the placeholder itself)."""
+    model = gpt2(torch.float32, layers=2)
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        h = offload_adam.offload_weights(model)
+        with torch.no_grad():
+            model(prompt())
+        w = model.transformer.h[0].attn.c_attn.weight
+        assert w.isnan().all() and w.untyped_storage().nbytes() <= 4 and w.device == sim.torch_device
+        h.close()
+        assert not model.transformer.h[0].attn.c_attn.weight.isnan().any()
+
+
+def test_resident_blocks_are_the_small_ones_first_then_layers() -> None:
+    model = llama(torch.float32)
+    blocks = offload_adam.weights.blocks.find_blocks(model)
+    layers = [b for b in blocks if b.layer]
+    others = [b for b in blocks if not b.layer]
+    with testing.simulated_device(max_delay_s=0.0):
+        total = weight_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers())
+        h = offload_adam.offload_weights(model, gpu_budget_gb=0.6 * total / 2**30)
+        res = {h.blocks[i].name for i in h.resident}
+        assert {b.name for b in others} <= res  # norm, embedding, head
+        assert res - {b.name for b in others} == {b.name for b in layers[: len(res) - len(others)]}  # then layers in order
+        assert h.report()["gpu_resident_bytes"] + h.report()["ring_bytes"] <= 0.6 * total
+        h.close()
+
+
+def test_user_blocks() -> None:
+    """The user's own blocks: each holds every parameter under its module. A module that does
+    not run itself (a ModuleList) or a parameter used elsewhere (the tied head, not listed) is
+    loaded when the modules that read it run: exact all the same."""
+    for make in (
+        lambda t: [t.wte, t.wpe, t.h[0], t.h[1], t.pair, t.ln_f],
+        lambda t: [t],
+    ):
+        model = gpt2(torch.float32, layers=4)
+        ref = copy.deepcopy(model)
+        t = model.transformer
+        t.pair = torch.nn.ModuleList([t.h[2], t.h[3]])  # a module of the model
+        blocks = make(t)
+        x = prompt()
+        with testing.simulated_device(seed=4, max_delay_s=0.001):
+            h = offload_adam.offload_weights(model, blocks=blocks)
+            names = {id(m): n for n, m in model.named_modules()}
+            assert [b.name for b in h.blocks] == [names[id(m)] for m in blocks]
+            got = run(model, x)
+            want = run(ref, x)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            h.close()
+
+
+# -- NVMe faults ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fault", ["eio", "corrupt"])
+def test_an_nvme_fault_is_a_clear_error_and_the_next_forward_is_exact(fault: str, nvme_dir: str) -> None:
+    model = llama(torch.float32)
+    ref = copy.deepcopy(model)
+    x = prompt()
+    with torch.no_grad():
+        want = ref(x).logits
+    with testing.simulated_device(seed=5, max_delay_s=0.001), torch.no_grad():
+        h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir, prefetch=1)
+        assert torch.equal(model(x).logits, want)
+        src = h.source
+        path = os.path.join(src.run.path, "weights.bin")
+        victim = h.blocks[3]
+        off = src.offset[victim.index]
+        if fault == "eio":
+            src.io.inject_fault("read", errno.EIO, 2)
+            match = r"reading the weights of block \d+ \(model\.layers\.\d\) from .*weights\.bin: .*Input/output error"
+        else:
+            with open(path, "r+b") as f:
+                f.seek(off + 100)
+                good = f.read(8)
+                f.seek(off + 100)
+                f.write(b"\x7f" * 8)
+            match = rf"weights\.bin: the weights of block {victim.index} \({victim.name}\) are corrupted \(checksum mismatch\)"
+        with pytest.raises(OSError, match=match):
+            for _ in range(3):
+                model(x)
+        if fault == "corrupt":
+            with open(path, "r+b") as f:
+                f.seek(off + 100)
+                f.write(good)
+        for _ in range(2):
+            assert torch.equal(model(x).logits, want)
+        h.close()
+
+
+def test_nvme_files_go_with_close_and_with_the_garbage(nvme_dir: str) -> None:
+    model = gpt2(torch.float32, layers=2)
+    with testing.simulated_device(max_delay_s=0.0):
+        h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir)
+        assert len(os.listdir(nvme_dir)) == 1
+        h.close()
+        assert os.listdir(nvme_dir) == []
+        model2 = gpt2(torch.float32, layers=2)
+        offload_adam.offload_weights(model2, storage="nvme", nvme_dir=nvme_dir)
+        assert len(os.listdir(nvme_dir)) == 1
+        del model2
+        gc.collect()
+        assert os.listdir(nvme_dir) == []

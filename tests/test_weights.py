@@ -382,6 +382,23 @@ def test_an_nvme_fault_is_a_clear_error_and_the_next_forward_is_exact(fault: str
         h.close()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_nvme_staging_is_reused_only_after_its_copy(prefetch: int, seed: int, nvme_dir: str) -> None:
+    """Copies slower than the compute (long delays): the staging slot a block is read into is
+    taken back only once the copy that read it has run."""
+    model = gpt2(torch.bfloat16, seed)
+    ref = copy.deepcopy(model)
+    x = prompt(seed)
+    with torch.no_grad():
+        want = ref(x).logits
+    with testing.simulated_device(seed=seed, max_delay_s=0.02), torch.no_grad():
+        h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch)
+        for _ in range(3):
+            assert torch.equal(model(x).logits, want)
+        h.close()
+
+
 def test_nvme_files_go_with_close_and_with_the_garbage(nvme_dir: str) -> None:
     model = gpt2(torch.float32, layers=2)
     with testing.simulated_device(max_delay_s=0.0):

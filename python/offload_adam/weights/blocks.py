@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-TENSOR_ALIGN = 64  # bytes: every tensor of a block starts on it (vector loads on any device)
+TENSOR_ALIGN = 256  # bytes: every tensor of a block starts on it (as the caching allocator aligns: kernels see the same alignment)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 

@@ -2,12 +2,13 @@
 #   make demo   creates .venv, builds and installs offload_adam (release), runs the main job
 #               (DEMO_ARGS="--offload nvme --nvme-dir DIR" puts its optimizer state on an SSD)
 #   make test   same set-up, then cargo test and pytest
+#   (make generate runs examples/generate.py: weights streamed to the GPU while a model generates)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install bench asv wheel lint clean
+.PHONY: demo test install bench asv wheel lint clean generate
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,11 @@ install: $(DEPS)
 
 demo: install
 	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
+
+# Weights offloaded: a causal LM generating with its weights streamed (GEN_ARGS="--storage nvme
+# --nvme-dir DIR --gpu-budget-gb X --prefetch K ..."); through the simulated device without a GPU.
+generate: install
+	$(BIN)/python examples/generate.py $(GEN_ARGS)
 
 test: install
 	cargo test --quiet

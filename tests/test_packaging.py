@@ -72,3 +72,26 @@ def test_gpu_benchmark_script_smoke_on_cpu(tmp_path: Path) -> None:
     assert {"offload_adam", "offload_adam async_step"} <= set(res["results"])
     assert "cpu_step_s" in res["results"]["offload_adam"]
     assert "step" in out
+
+
+def test_generate_example_runs_and_matches_the_resident_model(tmp_path: Path) -> None:
+    small = ["--layers", "2", "--d-model", "128", "--vocab", "500", "--tokens", "6", "--prompt", "8"]
+    out = _run_example(["examples/generate.py", *small])
+    assert "simulated device" in out and "tokens identical" in out and "tokens/s" in out
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = _run_example(["examples/generate.py", *small, "--storage", "nvme", "--nvme-dir", str(nvme), "--prefetch", "1"])
+    assert "tokens identical" in out and "disk read" in out
+    assert list(nvme.iterdir()) == []
+
+
+def test_weights_bench_runs(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "offload_adam", "bench", "--weights", str(tmp_path), "--weights-gb", "0.1", "--rounds", "2",
+         "--json", str(tmp_path / "w.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    res = json.loads((tmp_path / "w.json").read_text())["read_path"]
+    assert res["ratio"] > 0 and res["raw_Bps"] > 0
+    assert "owed" in out.stdout or "tokens/s" in out.stdout

@@ -700,7 +700,7 @@ class Engine:
 
     def pre_forward(self, module: torch.nn.Module) -> None:
         """Before a module's forward (async mode): waits for the buckets it reads."""
-        if module not in self._called:
+        if self.async_step and module not in self._called:
             self._called.add(module)
         if not self.in_flight and self.worker is None:
             return

@@ -97,10 +97,12 @@ class _Local(threading.local):
 
 
 class Schedule:
-    """The process's module schedule (see the module documentation)."""
+    """The process's module schedule (see the module documentation). Its hooks run at every
+    module call of the process while it has subscribers: they are kept short."""
 
     def __init__(self) -> None:
         self._subs: list[Subscription] = []
+        self._refs: tuple[weakref.ref[Any], ...] = ()  # the subscribers, in order (weakly)
         self._handles: list[Any] = []
         self._local = _Local()
         self._lock = threading.Lock()
@@ -109,6 +111,7 @@ class Schedule:
         s = Subscription(self, sub)
         with self._lock:
             self._subs.append(s)
+            self._refs = tuple(x.ref for x in self._subs)
             if not self._handles:
                 reg = torch.nn.modules.module
                 # always_call: a forward that raises still ends its module (and the pass).
@@ -122,6 +125,7 @@ class Schedule:
         with self._lock:
             if s in self._subs:
                 self._subs.remove(s)
+            self._refs = tuple(x.ref for x in self._subs)
             if not self._subs:
                 for h in self._handles:
                     h.remove()
@@ -135,48 +139,60 @@ class Schedule:
         finally:
             self._local.busy -= 1
 
-    def _live(self) -> list[tuple[Subscription, Subscriber]]:
-        out = []
+    def _prune(self) -> None:
         for s in list(self._subs):
-            sub = s.ref()
-            if sub is None:
+            if s.ref() is None:
                 self._remove(s)
-            else:
-                out.append((s, sub))
-        return out
 
     def _pre(self, module: torch.nn.Module, args: Any) -> None:
         loc = self._local
-        subs = self._live()
-        wanted = [s for s, _ in subs if s.record]
-        if wanted and loc.recorder is None and not torch.compiler.is_compiling():
+        if loc.recorder is None and any(s.record for s in self._subs) and not torch.compiler.is_compiling():
+            wanted = [s for s in self._subs if s.record]
             for s in wanted:
                 s.record = False
             loc.recorder = _Recorder(self, wanted)
             loc.recorder.__enter__()
         loc.stack.append(module)
-        with self._busy():
-            for _, sub in subs:
-                sub.pre_forward(module)
+        loc.busy += 1
+        try:
+            dead = False
+            for r in self._refs:
+                sub = r()
+                if sub is None:
+                    dead = True
+                else:
+                    sub.pre_forward(module)
+            if dead:
+                self._prune()
+        finally:
+            loc.busy -= 1
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         loc = self._local
-        subs = self._live()
+        loc.busy += 1
         try:
-            with self._busy():
-                for _, sub in reversed(subs):
+            for r in reversed(self._refs):
+                sub = r()
+                if sub is not None:
                     sub.post_forward(module)
         finally:
-            if loc.stack and loc.stack[-1] is module:
-                loc.stack.pop()
-            if not loc.stack:
-                rec, loc.recorder = loc.recorder, None
-                if rec is not None:
-                    rec.__exit__(None, None, None)
-                recorded = {id(s) for s in rec.subs} if rec is not None else set()
-                with self._busy():
-                    for s, sub in subs:
-                        sub.pass_ended(id(s) in recorded)
+            loc.busy -= 1
+            stack = loc.stack
+            if stack and stack[-1] is module:
+                stack.pop()
+            if not stack:
+                self._end_pass(loc)
+
+    def _end_pass(self, loc: _Local) -> None:
+        rec, loc.recorder = loc.recorder, None
+        if rec is not None:
+            rec.__exit__(None, None, None)
+        recorded = {id(s) for s in rec.subs} if rec is not None else set()
+        with self._busy():
+            for s in list(self._subs):
+                sub = s.ref()
+                if sub is not None:
+                    sub.pass_ended(id(s) in recorded)
 
 
 SCHEDULE = Schedule()

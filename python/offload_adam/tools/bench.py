@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--raw-gb", type=float, default=2.0, help="GiB of the --nvme raw-bandwidth file (default 2)")
     ap.add_argument("--fsdp2", action="store_true", help="instead: the step on FSDP2 local shards (see fsdp_bench)")
     ap.add_argument("--world", type=int, default=2, help="--fsdp2: processes (default 2)")
+    ap.add_argument("--weights", metavar="DIR", help="instead: weights offloaded, their NVMe read path under DIR (see weights_bench)")
+    ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
+    ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(
@@ -183,6 +187,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
+        return 0
+    if args.weights:
+        from . import weights_bench
+
+        os.makedirs(args.weights, exist_ok=True)
+        wres = weights_bench.run(args.weights, gb=args.weights_gb, prefetch=args.prefetch, rounds=args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(wres, f, indent=1)
         return 0
     if args.nvme:
         from . import nvme_bench

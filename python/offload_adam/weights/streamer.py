@@ -346,7 +346,7 @@ class Streamer:
         b = self.trigger.get(id(module))
         if b is not None:
             self.activate(b)
-        extra = self.readers.get(module)
+        extra = self.readers.get(module) if self.readers else None
         if extra:
             acts = self.reading.setdefault(id(module), [])
             for c in sorted(extra):
@@ -355,8 +355,9 @@ class Streamer:
                     acts.append(c)
 
     def post_forward(self, module: torch.nn.Module) -> None:
-        for c in self.reading.pop(id(module), []):
-            self.deactivate(c)
+        if self.reading:
+            for c in self.reading.pop(id(module), ()):
+                self.deactivate(c)
         b = self.trigger.get(id(module))
         if b is not None:
             self.deactivate(b)

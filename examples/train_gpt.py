@@ -9,8 +9,13 @@ With CUDA the model trains on the GPU and offload_adam offloads the optimizer (s
 host memory, gradients streamed during backward, weights streamed back); the script then also
 prints the GPU memory each optimizer needed and the offload's time breakdown.
 
+With ``--offload-weights`` the model's weights are streamed too (``offload_adam.offload_weights``:
+pinned host copy, blocks copied to the device in forward and again in backward, the optimizer's
+step writing the host copy); the script prints the bytes each way per step, the streamer's device
+peak and its stalls. Without CUDA that runs through the simulated device, and says so.
+
     python examples/train_gpt.py [--steps 250] [--device auto|cpu|cuda] [--async-step]
-                                 [--plot breakdown.png] [--simulate]
+                                 [--plot breakdown.png] [--simulate] [--offload-weights [--prefetch 2]]
 """
 
 from __future__ import annotations
@@ -102,7 +107,12 @@ def main() -> None:
         "--simulate", action="store_true",
         help="on the CPU, stream as to a GPU: through offload_adam.testing's simulated device (no delays)",
     )  # fmt: skip
+    ap.add_argument("--offload-weights", action="store_true", help="stream the weights too (offload_weights)")
+    ap.add_argument("--prefetch", type=int, default=2, help="--offload-weights: blocks copied ahead")
     args = ap.parse_args()
+    if args.offload_weights and not args.simulate and not (args.device != "cpu" and torch.cuda.is_available()):
+        print("--offload-weights without CUDA: streaming to the simulated device (figures are of this CPU, not a GPU)")
+        args.simulate = True
     if args.simulate:
         from offload_adam import testing
 
@@ -118,8 +128,14 @@ def run(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed)
 
     data = make_corpus(20_000, args.seed).to(dev)
-    model = GPT(len(VOCAB), args.ctx, args.d_model, args.layers, args.heads).to(dev)
-    twin = copy.deepcopy(model)
+    model = GPT(len(VOCAB), args.ctx, args.d_model, args.layers, args.heads)
+    twin = copy.deepcopy(model).to(dev)
+    streamed = None
+    if args.offload_weights:
+        # Before the optimizer: it then trains the host copies the streamer reads.
+        streamed = offload_adam.offload_weights(model, device=dev if dev.type == "cuda" else None, prefetch=args.prefetch)
+    else:
+        model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
     n_tensors = len(list(model.parameters()))
     print(
@@ -135,6 +151,7 @@ def run(args: argparse.Namespace) -> None:
     ref = torch.optim.AdamW(param_groups(twin, 0.1), lr=args.lr, betas=(0.9, 0.95), fused=True)
     peak = {"offload_adam": 0, "torch": 0}
     breakdown: list[dict[str, float]] = []
+    weights_steps: list[dict[str, float]] = []
     warmup = max(1, args.steps // 10)
 
     def lr_at(step: int) -> float:
@@ -155,6 +172,8 @@ def run(args: argparse.Namespace) -> None:
         for name, m, opt, sched in (("offload_adam", model, ours, scheds[0]), ("torch", twin, ref, scheds[1])):
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
+            if streamed is not None and m is model:
+                streamed.reset_stats()
             opt.zero_grad()
             loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
             loss.backward()
@@ -172,6 +191,8 @@ def run(args: argparse.Namespace) -> None:
             if cuda:
                 peak[name] = max(peak[name], torch.cuda.max_memory_allocated())
         breakdown.append({**ours.last_step_stats, "step_s": step_times["offload_adam"][-1]})
+        if streamed is not None:
+            weights_steps.append(streamed.report())
         bar.set_postfix(loss=f"{losses['offload_adam'][-1]:.3f}", torch=f"{losses['torch'][-1]:.3f}")
 
     tail = max(1, args.steps // 10)
@@ -205,7 +226,25 @@ def run(args: argparse.Namespace) -> None:
             f"written {med['write_bytes'] / 2**20:.1f} MiB, kernel {med['cpu_step_s'] * 1e3:.2f} ms, "
             f"waited for I/O {med['io_wait_s'] * 1e3:.2f} ms"
         )
+    if streamed is not None:
+        ours.synchronize()
+        rep = streamed.report()
+        med = {k: statistics.median(float(r[k]) for r in weights_steps) for k in ("h2d_bytes", "stall_s", "on_demand_loads")}
+        down = statistics.median(b.get("d2h_bytes", 0.0) for b in breakdown)
+        up_opt = statistics.median(b.get("h2d_bytes", 0.0) for b in breakdown)
+        where = "simulated device" if not cuda else str(dev)
+        print(
+            f"weights streamed ({where}, prefetch {args.prefetch}): {rep['streamed_blocks']} of {rep['blocks']} blocks, "
+            f"{rep['streamed_bytes'] / 2**20:.2f} MiB; per step (median): up {med['h2d_bytes'] / 2**20:.2f} MiB of weights "
+            f"({med['h2d_bytes'] / max(1, rep['streamed_bytes']):.2f}x the streamed bytes) + {up_opt / 2**20:.2f} MiB "
+            f"copied back by the step, down {down / 2**20:.2f} MiB of gradients; streamer device peak "
+            f"{rep['gpu_peak_bytes'] / 2**20:.2f} MiB (ring {rep['ring_bytes'] / 2**20:.2f} MiB, whole model "
+            f"{rep['weights_bytes'] / 2**20:.2f} MiB); compute stalled for weights {med['stall_s'] * 1e3:.2f} ms, "
+            f"{med['on_demand_loads']:.0f} loads not prefetched"
+        )
     ours.close()
+    if streamed is not None:
+        streamed.close()
     if args.plot:
         plot(args.plot, breakdown, step_times)
     # Two fp32 optimizers that round differently drift apart step by step (training amplifies

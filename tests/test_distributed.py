@@ -159,6 +159,55 @@ def test_ddp_with_free_gradients_is_refused_clearly() -> None:
         spawn(_ddp_worker, {"free_gradients": True}, env=STREAM)
 
 
+def _ddp_streamed_weights_worker(rank: int, world: int, stream: bool, kw: dict[str, Any]) -> Any:
+    """DDP with our hook over a model whose weights each rank streams (offload_weights first,
+    then DDP without its initial broadcast: the parameters hold placeholders outside a forward,
+    the ranks start from the same seed), two micro-batches a step, clipping on the model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import offload_adam
+    from offload_adam.runtime.hosted import home_of
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
+    h = offload_adam.offload_weights(m, prefetch=1) if stream else None
+    ddp = DDP(m, init_sync=False, broadcast_buffers=False)
+    opt = offload_adam.AdamW(ddp.parameters(), lr=1e-2, **kw)
+    opt.register_ddp_hook(ddp)
+    data = _batches(world, STEPS)
+    for t in range(0, len(data), 2):
+        for j, (x, y) in enumerate(data[t : t + 2]):
+            with ddp.no_sync() if j == 0 else contextlib.nullcontext():
+                (((ddp(x[rank::world])[:, :4] - y[rank::world]) ** 2).mean() / 2).backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    out = [(home_of(p).host if home_of(p) is not None else p.detach()).clone() for p in m.parameters()]
+    state = [opt.state[p]["exp_avg_sq"].clone() for p in m.parameters()]
+    report = h.report() if h is not None else None
+    opt.close()
+    if h is not None:
+        h.close()
+    return out, state, report
+
+
+@pytest.mark.parametrize("kw", [{}, {"async_step": True}], ids=["sync", "async"])
+def test_ddp_with_streamed_weights_is_bitwise_ddp_with_them_resident(kw: dict[str, Any]) -> None:
+    """Each rank streams its own weights; the averaged gradients reach the kernel through our
+    hook, which writes the host copies the next forward streams: the same as DDP over offloaded
+    resident weights, to the bit, on both ranks."""
+    streamed = spawn(_ddp_streamed_weights_worker, True, kw, env=STREAM)
+    resident = spawn(_ddp_streamed_weights_worker, False, kw, env=STREAM)
+    (w0, s0, r0), (w1, s1, _) = streamed
+    assert r0["h2d_bytes"] > 0 and r0["gpu_peak_bytes"] < r0["weights_bytes"]
+    for a, b, c, d in zip(w0, w1, s0, s1):
+        assert torch.equal(a, b) and torch.equal(c, d), "the ranks differ"
+    for (w, s, _), (rw, rs, _) in zip(streamed, resident):
+        assert all(torch.equal(a, b) for a, b in zip(w, rw))
+        assert all(torch.equal(a, b) for a, b in zip(s, rs))
+
+
 def _ddp_accumulate_worker(rank: int, world: int, kw: dict[str, Any], ddp_kw: dict[str, Any]) -> list[torch.Tensor]:
     """Two micro-batches per step, the first under no_sync()."""
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -42,7 +42,7 @@ class StateSet:
         master: Tensor | None = None,
         max_exp_avg_sq: Tensor | None = None,
         *,
-        params: Sequence[Tensor] | None = None,
+        params: Sequence[Tensor | None] | None = None,
         landing: Sequence[Tensor | None] | None = None,
         landing_slots: Sequence[tuple[int, int]] | None = None,
     ) -> StateSet: ...

@@ -51,8 +51,10 @@ struct Inner {
     layout: Layout,
     names: Vec<String>,
     bufs: Writable,
-    /// Weights written in place (one per slot), or (None) into the masters.
-    params: Option<Vec<Param>>,
+    /// Per slot, the parameter whose memory the kernel writes in place, or (None, or no list)
+    /// the masters, with a low-precision slot's copy going over the gradient in its landing
+    /// slot.
+    params: Option<Vec<Option<Param>>>,
     /// Gradients read from the parameters' `.grad`, or (None) from the landing buffers.
     grads: Option<GradCache>,
     state_dtype: DType,
@@ -131,8 +133,9 @@ impl Inner {
     /// `module.to_empty()` with swapped parameters): the new storage is imported, the old one is
     /// let go without a write. A new shape or dtype is an error, raised before anything changes.
     fn rebind_if_replaced(&mut self, py: Python<'_>, i: usize) -> PyResult<()> {
-        let Some(params) = &self.params else { return Ok(()) };
-        let e = &params[i];
+        let Some(Some(e)) = self.params.as_ref().map(|ps| &ps[i]) else {
+            return Ok(());
+        };
         let p = e.param.bind(py);
         let ptr = data_ptr(p)?;
         if ptr == e.data_ptr || e.numel == 0 {
@@ -165,7 +168,7 @@ impl Inner {
         if let Some(c) = &mut self.grads {
             c.forget(i);
         }
-        self.params.as_mut().expect("in place")[i] = param;
+        self.params.as_mut().expect("in place")[i] = Some(param);
         Ok(())
     }
 }
@@ -177,6 +180,7 @@ impl StateSet {
     ///
     /// With `params`, weights are written in place into the parameters' own memory (a
     /// bfloat16/float16 parameter keeps its fp32 master in `master`); without, into `master`.
+    /// A `None` in `params` is a slot written into `master` (it needs a landing slot).
     /// With `landing` (three optional buffers: float32, bfloat16, float16 gradients) and
     /// `landing_slots` (per slot: which buffer, first element), gradients come from there;
     /// without, from the parameters' `.grad`. A bfloat16/float16 slot written into `master`
@@ -193,7 +197,7 @@ impl StateSet {
         steps: &Bound<'_, PyAny>,
         master: Option<&Bound<'_, PyAny>>,
         max_exp_avg_sq: Option<&Bound<'_, PyAny>>,
-        params: Option<Vec<Bound<'_, PyAny>>>,
+        params: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing_slots: Option<Vec<(usize, usize)>>,
     ) -> PyResult<StateSet> {
@@ -288,6 +292,17 @@ impl StateSet {
                 }
                 let mut out = Vec::with_capacity(n);
                 for (i, p) in ps.iter().enumerate() {
+                    let Some(p) = p else {
+                        if !from_landing || master.is_none() {
+                            return Err(PyValueError::new_err(format!(
+                                "{}: a slot not written in place needs a landing slot and a master",
+                                names[i]
+                            )));
+                        }
+                        out.push(None);
+                        param_imports.push((None, names[i].clone()));
+                        continue;
+                    };
                     let (param, imp) = import_param(p, &names[i])?;
                     if imp.len != lens[i] {
                         return Err(PyValueError::new_err(format!(
@@ -302,7 +317,7 @@ impl StateSet {
                             param.dtype.name()
                         )));
                     }
-                    out.push(param);
+                    out.push(Some(param));
                     param_imports.push((Some(imp), names[i].clone()));
                 }
                 Some(out)
@@ -354,6 +369,11 @@ impl StateSet {
         };
         let Some(e) = params.get_mut(i) else {
             return Err(PyValueError::new_err(format!("replace_param: no slot {i}")));
+        };
+        let Some(e) = e.as_mut() else {
+            return Err(PyRuntimeError::new_err(format!(
+                "replace_param: slot {i} is not written in place"
+            )));
         };
         e.param = p.clone().unbind();
         e.data_ptr = usize::MAX; // never a real address: the next step re-imports it
@@ -512,7 +532,8 @@ pub fn adam_step(
             inner.rebind_if_replaced(py, i)?;
             if inner.grads.is_some() {
                 let params = inner.params.as_ref().expect("gradients from .grad need params");
-                let g = params[i].param.bind(py).getattr(intern!(py, "grad"))?;
+                let p = params[i].as_ref().expect("gradients from .grad: every slot in place");
+                let g = p.param.bind(py).getattr(intern!(py, "grad"))?;
                 if g.is_none() {
                     continue;
                 }
@@ -535,7 +556,9 @@ pub fn adam_step(
             let Inner {
                 params, names, grads, ..
             } = inner;
-            let p = &params.as_ref().expect("in place")[i];
+            let p = params.as_ref().expect("in place")[i]
+                .as_ref()
+                .expect("every slot in place");
             let spec = GradSpec {
                 name: &names[i],
                 numel: p.numel,
@@ -589,7 +612,8 @@ pub fn adam_step(
         } else {
             None
         };
-        let uses_master = |i: usize| params.is_none_or(|ps| ps[i].dtype != DType::F32);
+        let own = |i: usize| params.and_then(|ps| ps[i].as_ref());
+        let uses_master = |i: usize| own(i).is_none_or(|p| p.dtype != DType::F32);
         let master_pos: Vec<usize> = (0..sel.len()).filter(|&j| uses_master(sel[j])).collect();
         let master_ranges: Vec<(usize, usize)> = master_pos.iter().map(|&j| ranges[j]).collect();
         let mut masters: Vec<Option<&mut [f32]>> = (0..sel.len()).map(|_| None).collect();
@@ -637,7 +661,7 @@ pub fn adam_step(
             let master = masters[j].take();
             let landing = landed[j].take();
             let missing = |what: &str| PyRuntimeError::new_err(format!("{}: no {what}", names[i]));
-            let (param, out, grad) = match params {
+            let (param, out, grad) = match own(i) {
                 Some(_) => {
                     let own = bufs[PARAMS + i].take().ok_or_else(|| missing("parameter memory"))?;
                     let (param, out) = match (own, master) {

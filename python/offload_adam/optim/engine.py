@@ -29,6 +29,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device, device_for
+from ..runtime.hosted import Home, claim, home_of, unclaim
 from ..runtime.pinned import PinnedArena
 from ..runtime.schedule import SCHEDULE, Subscription
 from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
@@ -57,6 +58,15 @@ class _Failure:
     error: BaseException
     work: list[tuple[Bucket, list[Rec]]]  # buckets not updated
     generation: int
+
+
+def _end_writes(work: list[tuple[Bucket, list[Rec]]]) -> None:
+    """Every bucket of a step finished (or abandoned): forwards and host-copy readers go on."""
+    for b, recs in work:
+        b.done.set()
+        for r in recs:
+            if r.home is not None:
+                r.home.end_write()
 
 
 def _check_local(loc: Any, name: str) -> None:
@@ -142,6 +152,23 @@ class Engine:
             )
         raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
 
+    def _hosted_device(self, homes: list[Home | None], names: list[str], gi: int) -> Device:
+        """The device of a group with parameters whose weights live in a host copy (streamed by
+        offload_weights): theirs, whatever the context; the group's other parameters must be on
+        it too (blocks kept resident)."""
+        device = next(h.device for h in homes if h is not None)
+        for h, name in zip(homes, names):
+            if h is not None and h.host is None:
+                raise ValueError(
+                    f"{name}: its weights are streamed from NVMe (offload_weights(storage='nvme')), which keeps no "
+                    "host copy for the step to write; train with offload_weights(storage='cpu')"
+                )
+            if h is not None and h.device is not device:
+                raise ValueError(f"param group {gi}: its weights are streamed to two devices")
+        if self.device is not None and self.device is not device:
+            raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
+        return device
+
     def add_group(self, gi: int, params: list[Tensor], names: list[str], state_dtype: torch.dtype, amsgrad: bool) -> None:
         """Builds group ``gi``'s state; on error nothing changes."""
         devices = {p.device for p in params}
@@ -156,14 +183,21 @@ class Engine:
             self.groups.append(None)
             self._deferred[gi] = (params, names, state_dtype, amsgrad)
             return
-        device = self._device_for(dev, gi)
+        homes = [home_of(p) for p in params]
+        device = self._hosted_device(homes, names, gi) if any(homes) else self._device_for(dev, gi)
         if device is not None and self.arena is None:
             self.arena = PinnedArena(device)
         group = GroupState(
             local, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device,
             arena=self.arena if device is not None else None, bucket_bytes=self.bucket_bytes,
             page_align=self.tier.page_align, state_alloc=self.tier.state_alloc, keys=keys,
+            homes=[h.host if h is not None else None for h in homes] if any(homes) else None,
         )  # fmt: skip
+        me = weakref.ref(self)
+        for p, h in zip(params, homes):
+            claim(p, "an offload_adam optimizer")
+            if h is not None:
+                h.writer = me
         if device is None:
             group.native.check_disjoint([g.native for g in self.groups if g is not None and not g.streamed])
         self.tier.attach(group)
@@ -196,6 +230,12 @@ class Engine:
         self.synchronize(raise_error=False)
         if self.streamed is not None:
             self.streamed.close()
+            for r in self.streamed.recs:
+                if r.home is not None:
+                    r.home.writer = None
+        for _, g in self.live_groups():
+            for k in g.keys:
+                unclaim(k)
         if self._schedule is not None:
             self._schedule.cancel()
             self._schedule = None
@@ -334,6 +374,8 @@ class Engine:
         for b, _ in work:
             b.done.clear()
         self._cur = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
+        self._cur.update(d2h_bytes=st.d2h_bytes, h2d_bytes=0)
+        st.d2h_bytes = 0
         self._io_before = self._io_stats()
         # Weights may be overwritten once the work queued so far (the backward that read them)
         # is done; the copy-back waits for this point only, not for a next forward.
@@ -342,7 +384,13 @@ class Engine:
         # loaded into the model): the master takes the model's value (copied once its state is
         # resident, see _step_batch).
         for b, recs in work:
-            b.stale = [r for r in recs if r.param._version != r.param_version]
+            b.stale = [r for r in recs if r.home is None and r.param._version != r.param_version]
+        # Host copies (streamed weights) this step rewrites: the streamer copies none of them to
+        # the device until its bucket's kernel has run (end_write, in _step_batch).
+        for _, recs in work:
+            for r in recs:
+                if r.home is not None:
+                    r.home.begin_write()
         # GradScaler's values are device tensors: read them in the step's thread after a copy,
         # not with a sync here (async mode returns before the backward has finished).
         scalars = None
@@ -365,8 +413,7 @@ class Engine:
                 (self.hooks.start_worker or threading.Thread.start)(self.worker)
             except BaseException:
                 self.worker, self.in_flight = None, False
-                for b, _ in work:
-                    b.done.set()
+                _end_writes(work)
                 st.give_back(work, st.generation)
                 raise
         else:
@@ -406,8 +453,7 @@ class Engine:
             # A bucket's `done` is set once its weights are on their way back.
             self._failure = _Failure(e, [(b, recs) for b, recs in work if not b.done.is_set()], generation)
         finally:
-            for b, _ in work:
-                b.done.set()
+            _end_writes(work)  # (a skipped or failed bucket's host copies are as they were)
             self.in_flight = False
             self._cur.update(self._io_stats(self._io_before))
             self.stats = self._cur  # the last finished step's (a forward still waiting adds to it)
@@ -485,10 +531,16 @@ class Engine:
                 dev.stream_waits(dev.h2d, self._backward_done)
                 with torch.profiler.record_function("offload_adam.h2d"):
                     for b, rs in batch:
-                        dev.copy([(r.param.detach(), r.copy_src) for r in rs], dev.h2d)
-                        b.h2d_event = dev.record(dev.h2d)
+                        back = [(r.param.detach(), r.copy_src) for r in rs if r.copy_src is not None]
+                        if back:
+                            dev.copy(back, dev.h2d)
+                            self._cur["h2d_bytes"] += sum(s.numel() * s.element_size() for _, s in back)
+                            b.h2d_event = dev.record(dev.h2d)
                 for r in recs:
-                    r.param_version = r.param._version
+                    if r.home is None:
+                        r.param_version = r.param._version
+                    else:
+                        r.home.end_write()  # the kernel wrote it
             last = batch[-1][0].h2d_event
             self.tier.release(g, slots, lambda: dev.host_wait(last))
             t3 = time.perf_counter()

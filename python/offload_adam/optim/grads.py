@@ -30,6 +30,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device
+from ..runtime.hosted import home_of
 from .state import GroupState, same_sharding
 
 
@@ -56,7 +57,7 @@ class Rec:
     shape: torch.Size
     data_ptr: int  # the address of its storage when last bound
     slot: Tensor  # its gradient's host landing slot, shaped like it
-    copy_src: Tensor  # the host view its updated weights are copied back from
+    copy_src: Tensor | None  # the host view its updated weights are copied back from (None: its home)
     nbytes: int  # its gradient's bytes
     hook: Any = None
     has_grad: bool = False  # the landing slot holds this step's gradient
@@ -66,6 +67,7 @@ class Rec:
     grad_version: int = -1
     param_version: int = -1  # the parameter's version after our last copy-back
     key: Tensor | None = None  # a DTensor (FSDP2) whose local shard `param` is
+    home: Any = None  # runtime.hosted.Home: its weights live in a host copy the step writes
 
     @property
     def name(self) -> str:
@@ -120,6 +122,7 @@ class StreamedGrads:
         self.buckets: list[Bucket] = []
         # Bumped by zero_grad: a failed step gives its gradients back only if none came since.
         self.generation = 0
+        self.d2h_bytes = 0  # gradient bytes queued for the host since the last step took them
         # DDP: gradients come averaged from DDP's communication hook (`land_averaged`), not from
         # the post-accumulate hooks, which see the local ones (see offload_adam.ddp).
         self.ddp = False
@@ -140,6 +143,7 @@ class StreamedGrads:
                 p = group.params[i]
                 r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), p.numel() * p.element_size())
                 r.key = group.keys[i] if group.dtensor[i] else None
+                r.home = home_of(p) if group.homes[i] is not None else None
                 r.hook = r.owner.register_post_accumulate_grad_hook(self._hook)
                 self.recs.append(r)
                 self.by_param[id(p)] = r
@@ -197,6 +201,7 @@ class StreamedGrads:
                 pairs.append((r.slot, g))
         with torch.profiler.record_function("offload_adam.d2h"):
             dev.copy(pairs, dev.d2h)
+        self.d2h_bytes += sum(g.numel() * g.element_size() for _, g in pairs)
         for r in pend:
             g = r.pending
             assert g is not None
@@ -275,8 +280,8 @@ class StreamedGrads:
                     "host and freed it (DistributedDataParallel writes the averaged gradients this way); "
                     "free_gradients=True cannot tell whether to add or replace it: use free_gradients=False"
                 )
-            if p.data_ptr() == r.data_ptr:
-                continue
+            if r.home is not None or p.data_ptr() == r.data_ptr:
+                continue  # (a hosted parameter's data moves with its streaming: its home is its identity)
             if p.dtype != r.dtype or p.shape != r.shape or p.device != self.device.torch_device:
                 raise RuntimeError(
                     f"{r.name}: moved or changed after the optimizer was built (now {p.dtype} on {p.device}, "

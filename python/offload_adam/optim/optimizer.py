@@ -573,7 +573,10 @@ class Adam(Optimizer):
     def last_step_stats(self) -> dict[str, float]:
         """Host-side timing of the last offloaded step (seconds): ``d2h_wait_s`` (waiting for
         gradients to arrive), ``cpu_step_s`` (the kernel), ``h2d_issue_s`` (queueing the
-        weight copies), ``forward_wait_s`` (async mode: time forwards waited for weights). With
+        weight copies), ``forward_wait_s`` (async mode: time forwards waited for weights),
+        ``d2h_bytes`` (the gradients copied to the host for it, over all its micro-batches) and
+        ``h2d_bytes`` (the weights it copied back; none for weights streamed by
+        ``offload_weights``, which the step writes in their host copy). With
         ``offload="nvme"`` (every step): ``read_bytes``, ``write_bytes`` and ``io_wait_s`` (time the
         step waited for the disk), and ``cpu_step_s``."""
         return dict(self._engine.stats)

@@ -114,7 +114,10 @@ class GroupState:
     Otherwise the parameters live on ``device``: buffers come from ``arena`` (pinned),
     gradients land in host landing buffers (one per gradient dtype) and the updated weights are
     copied back from the masters (float32) or from the landing slot, which the kernel overwrites
-    with the rounded weights once it has read the gradient (bfloat16/float16).
+    with the rounded weights once it has read the gradient (bfloat16/float16). A parameter with
+    a home (``homes[i]``: its host copy, the truth of a parameter whose weights are streamed to
+    the device) is written in place into it instead (a float32 home is its own master; a
+    bfloat16/float16 one gets the rounded weights in the same pass): nothing is copied back.
     """
 
     def __init__(
@@ -130,6 +133,7 @@ class GroupState:
         page_align: int = _ALIGN,
         state_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
         keys: list[Tensor] | None = None,
+        homes: list[Tensor | None] | None = None,
     ) -> None:
         self.params = list(params)
         # What the optimizer's param groups and `state` hold: the parameters themselves, or for a
@@ -140,11 +144,12 @@ class GroupState:
         self.names = names
         self.device = device
         self.streamed = device is not None
+        self.homes: list[Tensor | None] = list(homes) if homes is not None else [None] * len(params)
         if self.streamed:
-            for p, name in zip(params, names):
+            for p, name, home in zip(params, names, self.homes):
                 if p.dtype not in KINDS:
                     raise TypeError(f"{name}: dtype {p.dtype} cannot be offloaded (float32, bfloat16, float16)")
-                if not p.is_contiguous():
+                if home is None and not p.is_contiguous():
                     raise ValueError(f"{name}: an offloaded parameter must be contiguous")
         lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align)
         self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
@@ -167,6 +172,7 @@ class GroupState:
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
                 self.max_exp_avg_sq, landing=self.landing, landing_slots=self.landing_slots,
+                params=self.homes if any(h is not None for h in self.homes) else None,
             )  # fmt: skip
         else:
             self.native = _native.StateSet(
@@ -180,19 +186,24 @@ class GroupState:
     # -- what state[p] hands out --------------------------------------------------------------
 
     def has_master(self, i: int) -> bool:
-        """Whether parameter ``i``'s fp32 master lives in the master buffer (offloaded, or a
-        bfloat16/float16 CPU parameter); a float32 CPU parameter is its own master."""
+        """Whether ``state[p]`` has parameter ``i``'s fp32 master: in the master buffer
+        (offloaded, or a bfloat16/float16 CPU parameter), or its float32 home (the host copy
+        the step writes in place is the master); a float32 CPU parameter is its own master."""
         return self.master is not None and (self.streamed or self.params[i].dtype in LOW_PRECISION)
 
     def views(self, i: int) -> dict[str, Tensor]:
         """Views into the flat buffers of parameter ``i``'s state (local shards for a DTensor)."""
-        p, off = self.params[i], self.offsets[i]
+        off = self.offsets[i]
+        # Shaped (and strided) like the parameter; a hosted one like its home (its data, a view
+        # that moves with its streaming, has any strides).
+        home = self.homes[i]
+        p = home if home is not None else self.params[i]
         out = {"step": self.steps[i], "exp_avg": _view(self.exp_avg, off, p), "exp_avg_sq": _view(self.exp_avg_sq, off, p)}
         if self.max_exp_avg_sq is not None:
             out["max_exp_avg_sq"] = _view(self.max_exp_avg_sq, off, p)
         if self.has_master(i):
             assert self.master is not None
-            out["master_param"] = _view(self.master, off, p)
+            out["master_param"] = home if home is not None and p.dtype == torch.float32 else _view(self.master, off, p)
         return out
 
     def entry(self, i: int) -> dict[str, Tensor]:
@@ -237,8 +248,11 @@ class GroupState:
         p = self.params[i]
         return self.master[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
 
-    def copy_src(self, i: int) -> Tensor:
-        """Where parameter ``i``'s updated weights are copied back from."""
+    def copy_src(self, i: int) -> Tensor | None:
+        """Where parameter ``i``'s updated weights are copied back from (None: written into its
+        home, nothing to copy)."""
+        if self.homes[i] is not None:
+            return None
         return self.master_view(i) if self.params[i].dtype == torch.float32 else self.grad_slot(i)
 
     # -- buffers ------------------------------------------------------------------------------

@@ -8,7 +8,8 @@ on CPU parameters ("device" tensors) and host buffers, with the hazards of a rea
 * an event completes when its stream reaches it; a stream or the host can wait on it;
 * the current stream is the calling thread: its device operations run at once, and a wait of
   the current stream on an event (``current_waits``) is honoured at the thread's next device
-  operation, not as an immediate host wait. A device operation is a torch call that reads or
+  operation, not as an immediate host wait (inside a backward, whose kernels run in C++ unseen
+  by the mode, at once). A device operation is a torch call that reads or
   writes device memory (a storage a queued copy has read or written: the parameters, their
   gradients); metadata, views, property access, host buffers and other CPU tensors (a
   checkpoint) are host work. While :meth:`SimulatedDevice.lazy` is entered, a torch-function
@@ -396,7 +397,9 @@ class SimulatedDevice:
     def current_waits(self, event: Any) -> None:
         if event is None:
             return
-        if self in _local.lazy and not _local.stream_thread:
+        # Lazy only where the mode sees the thread's torch calls: a backward's kernels run in
+        # C++ without passing through it, so a wait issued inside a backward is honoured now.
+        if self in _local.lazy and not _local.stream_thread and torch._C._current_graph_task_id() == -1:
             _local.pending.append(event)
         else:
             event.wait()

@@ -6,7 +6,9 @@ configuration's bytes per rank on the GPU, in host memory and on NVMe, and the b
 per step over PCIe and to the disk. The host bytes of our optimizer come from
 :func:`offload_adam.state.layout`, the computation the optimizer allocates its buffers from (a
 test checks them against ``memory_report()`` of a real model); the rest (weights, gradients,
-FSDP2's shards) are the tensors' own sizes.
+FSDP2's shards) are the tensors' own sizes. With the weights streamed (``offload_weights``), the
+model is taken as ``--layers`` equal layers, and the device ring is sized by the code that
+allocates it (:func:`offload_adam.weights.offload.ring_bytes`).
 
 Activations are not counted: they depend on batch, sequence length and checkpointing, and come
 on top of every GPU figure.
@@ -20,8 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..optim.tier import PAGE_ALIGN
 from ..optim.state import layout
+from ..optim.tier import PAGE_ALIGN
+from ..weights.blocks import Block
+from ..weights.offload import own_slot_blocks, ring_bytes
 
 GB = 1 << 30
 
@@ -53,13 +57,21 @@ def optimizer_host_bytes(
     return lay.host_bytes(state_dtype=state_dtype, amsgrad=amsgrad, master=master, streamed=streamed)
 
 
+def streamed_ring_bytes(layers: int, layer_bytes: int, prefetch: int = 2) -> int:
+    """Device bytes of the ring ``offload_weights`` allocates for ``layers`` equal layers, every
+    one streamed."""
+    blocks = [Block(i, f"layers.{i}", [], nbytes=layer_bytes, layer=True) for i in range(layers)]
+    return ring_bytes(blocks, range(layers), own_slot_blocks(blocks), prefetch)
+
+
 def _tensors(n: float, per: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
     full, rest = divmod(int(n), per)
     return [(per, dtype)] * full + ([(rest, dtype)] if rest else [])
 
 
 def configurations(
-    params: float, *, world: int, state_dtype: torch.dtype, tensor_params: int, bucket_mb: float = 32
+    params: float, *, world: int, state_dtype: torch.dtype, tensor_params: int, bucket_mb: float = 32, layers: int = 40,
+    prefetch: int = 2,
 ) -> list[Config]:
     n = float(params)
     shard = n / world
@@ -75,6 +87,8 @@ def configurations(
     landing = 2 * n  # bf16 gradients' landing buffers stay in RAM
     on_disk = ours_nvme_state - landing
     nvme_window = (2 + 1 + 2) * bb / 2 * (4 + 2 * es)  # read-ahead 2, one stepping, 2 writing
+    ring = streamed_ring_bytes(layers, int(2 * n / layers), prefetch)
+    weights = 2 * n  # the bf16 weights, pinned once: the copy the forward streams and the step writes
     return [
         Config(
             "torch.optim.AdamW on the GPU, DDP (fp32 weights, grads, moments)",
@@ -99,6 +113,16 @@ def configurations(
             2 * n + window, landing + nvme_window, on_disk, 4 * n, 2 * on_disk,
             "masters and moments on NVMe, paged through a window",
         ),
+        Config(
+            f"offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
+            ring + window, weights + ours_off, 0, 6 * n, 0,
+            "weights streamed up in forward and again in backward, bf16 grads down; the step writes the host copy",
+        ),
+        Config(
+            f"offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
+            ring + window, weights + landing + nvme_window, on_disk, 6 * n, 2 * on_disk,
+            "weights pinned in RAM and streamed; masters and moments on NVMe, paged through a window",
+        ),
     ]
 
 
@@ -111,9 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument("--bf16-moments", action="store_true", help="state_dtype=torch.bfloat16")
     ap.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model")
+    ap.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring")
+    ap.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers")
     args = ap.parse_args(argv)
+    for name in ("layers", "world_size", "tensor_params"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.prefetch < 0:
+        ap.error("--prefetch must be at least 0")
     sd = torch.bfloat16 if args.bf16_moments else torch.float32
-    cfgs = configurations(args.params, world=args.world_size, state_dtype=sd, tensor_params=args.tensor_params)
+    cfgs = configurations(
+        args.params, world=args.world_size, state_dtype=sd, tensor_params=args.tensor_params, layers=args.layers,
+        prefetch=args.prefetch,
+    )  # fmt: skip
     print(
         f"{args.params / 1e9:.2f}B parameters, {args.world_size} rank(s) with {args.gpu_gb:g} GiB GPU, "
         f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {'bf16' if args.bf16_moments else 'fp32'} moments; "

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.device import Device, Meter, device_for
+from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pinned import PinnedArena
 from .blocks import Block, find_blocks
 from .checkpoint import Checkpoint
@@ -76,6 +77,13 @@ def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if getattr(model, ATTR, None) is not None:
         raise ValueError("model: its weights are offloaded already (close() the first offload)")
+    for n, p in model.named_parameters():
+        who = claimed(p)
+        if who is not None:
+            raise ValueError(
+                f"model: {n} is held by {who}, which imported its storage; call offload_weights before building "
+                "the optimizer (AdamW(model.parameters()) then trains the streamed weights)"
+            )
     for n, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.device.type not in ("cpu", "meta"):
             raise ValueError(
@@ -146,7 +154,18 @@ class WeightOffload:
         own = own_slot_blocks(self.blocks)
         triggers = {id(m): b.index for b in self.blocks for m in b.modules}
         guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
-        self.streamer = Streamer(device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders)
+        # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
+        # next forward streams it from there); NVMe keeps none in memory.
+        self.homes: dict[int, list[Home]] = {}
+        for i in streamed:
+            b = self.blocks[i]
+            host = self.source.view(b) if isinstance(self.source, HostWeights) else None
+            self.homes[i] = [Home(e.view(host) if host is not None else None, device, b.name) for e in b.entries]
+            for e, h in zip(b.entries, self.homes[i]):
+                set_home(e.param, h)
+        self.streamer = Streamer(
+            device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes
+        )
         self.prefetch = prefetch
         self.closed = False
         setattr(model, ATTR, self)
@@ -234,6 +253,15 @@ class WeightOffload:
         buffers too; the device memory and the files freed."""
         if self.closed:
             return
+        for hs in self.homes.values():
+            if any(h.written for h in hs):
+                raise RuntimeError(
+                    "close(): an offload_adam optimizer trains these weights; close() the optimizer first "
+                    "(its step writes the host copies this offload would let go)"
+                )
+        for i in self.homes:
+            for e in self.blocks[i].entries:
+                set_home(e.param, None)
         self.streamer.close()
         self.device.drain()
         for b in self.blocks:

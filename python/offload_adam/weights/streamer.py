@@ -1,4 +1,5 @@
-"""The streamer: streamed blocks copied into a static ring of device slots just before they run.
+"""The streamer: streamed blocks copied into a static ring of device slots just before they run,
+in the forward and, for training, again in the backward.
 
 The ring is allocated once: ``min(prefetch + 1, streamed blocks)`` general slots, each the size
 of the largest streamed block run by one module, and one slot of its own for each streamed block
@@ -6,22 +7,36 @@ that stays needed while other blocks run (run by several modules, as a tied embe
 or holding parameters of a module that calls other blocks). No allocation happens afterwards.
 
 It subscribes to the module schedule (``runtime/schedule.py``). When a block's module starts its
-forward (its *activation*), the block's parameters become views of its slot and the compute
+forward (an *activation*), the block's parameters become views of its slot and the compute
 stream waits for the block's copy event with a stream wait (never a host wait); when it ends,
 they point to a placeholder that holds no device memory (a NaN scalar expanded to their shape,
 so a read outside the block's forward gives NaN, never stale weights), and an event recorded on
 the compute stream marks the slot free: the next copy into it waits for that event on the
 host-to-device stream.
 
-Prefetch follows the order of activations recorded on a forward (a *pass*, see the schedule):
-each activation is an *instance* of its block (a block with a slot of its own has one instance
-per pass, from its first activation to its last), loaded in order; at the activation of instance
-g, the instances up to g + ``prefetch`` are queued into free slots (cyclically: after the last
-of a pass, the first of the next). A pass whose activations differ from the recorded order (or
-the first, whose order is a guess from the model's module order) loads what it needs on demand,
-is exact all the same, and is recorded as the new order. Reads of a block's parameters by other
-modules (a parent reading a child's weight) are found on recorded passes and loaded then; later
-passes load them when the reading module starts.
+Training. While grad mode is on, a block's forward runs under saved-tensor hooks: a tensor
+autograd saves that lies in a slot (a weight, or a view of one) is saved as a token (block,
+offset, shape), anything else goes to the hooks outside (a ``torch.utils.checkpoint`` region's,
+an activation offload's) or is kept. In the backward, unpacking a token activates the block again
+(loaded if needed, prefetched in backward order) and gives a view of its slot; a block stays
+active in the backward until another block is activated (or the backward ends), then its slot is
+freed as in the forward. A checkpointed block's recompute runs its forward inside the backward:
+that activation and the backward's own are one, so the block crosses once for both.
+
+Prefetch follows the *cycle* recorded: the activations from the start of a forward to the end of
+its backward (or of the forward, in inference). Each activation is an *instance* of its block (a
+block with a slot of its own has one per cycle, from its first activation to its last; an
+activation of the block active just before is the same instance), loaded in order; at the
+activation of instance g, the instances up to g + ``prefetch`` are queued into free slots,
+cyclically (the next cycle's first blocks during the last ones). A cycle whose activations differ
+from the recorded one (or the first, whose order is a guess from the model's module order) loads
+what it needs on demand, is exact all the same, and is recorded as the new one. Reads of a block's
+parameters by other modules (a parent reading a child's weight) are found on recorded passes.
+
+Blocks whose weights an optimizer rewrites (``runtime/hosted.py``): a block is copied only once
+its host copies are not being written (a host wait on the step's fence, for that block only), a
+copy made before a step is copied again, and the next cycle's blocks are not read ahead from a
+backward (a step is to come: the copies would be stale).
 
 Where a block's bytes come from is its *source* (``storage.py``): pinned host memory, or NVMe
 pages read ahead into pinned staging slots (an NVMe read is the one wait done on the host).
@@ -32,7 +47,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -40,6 +55,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.device import Device, Meter
+from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
 from .blocks import Block
 
@@ -73,14 +89,43 @@ class _Slot:
     block: int | None = None  # the block loaded (or being loaded) into it
     free_event: Any = None  # compute-stream event after the last use of its previous block
     views: dict[int, list[Tensor]] = field(default_factory=dict)  # block -> its parameters in this slot
+    typed: dict[torch.dtype, Tensor] = field(default_factory=dict)  # the slot seen as each dtype
+
+    def as_dtype(self, dtype: torch.dtype) -> Tensor:
+        t = self.typed.get(dtype)
+        if t is None:
+            es = torch.empty((), dtype=dtype).element_size()
+            t = self.typed[dtype] = self.buf[: self.buf.numel() // es * es].view(dtype)
+        return t
 
 
 @dataclass
 class _Loaded:
-    g: int  # the instance (pass * instances per pass + index); -1: loaded on demand
+    g: int  # the instance (cycle * instances per cycle + index); -1: loaded on demand
     slot: _Slot
     event: Any  # its copy's completion
     last: int  # absolute position of its last planned activation (-1: release after this one)
+    versions: tuple[int, ...]  # its host copies' versions when copied
+
+
+@dataclass(frozen=True)
+class _Token:
+    """A saved tensor that lies in a slot: where it is in its block."""
+
+    block: int
+    offset: int  # elements of `dtype` from the block's start
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    versions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Outer:
+    """A saved tensor handed to the saved-tensor hooks that were active outside ours."""
+
+    packed: Any
+    unpack: Callable[[Any], Tensor]
 
 
 def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[int, list[Tensor]]:
@@ -99,9 +144,9 @@ def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[
 
 
 def plan(order: Sequence[int], own: set[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """The instances of one pass of ``order`` (block, first position, last position), in the
+    """The instances of one cycle of ``order`` (block, first position, last position), in the
     order they are loaded, and the instance of each position. A block with a slot of its own
-    has one instance per pass; any other block one per activation."""
+    has one instance per cycle; any other block one per run of consecutive activations."""
     span: dict[int, list[int]] = {}
     for pos, b in enumerate(order):
         if b in own:
@@ -115,10 +160,18 @@ def plan(order: Sequence[int], own: set[int]) -> tuple[list[tuple[int, int, int]
                 first[b] = len(inst)
                 inst.append((b, span[b][0], span[b][1]))
             of_pos.append(first[b])
+        elif pos and order[pos - 1] == b:
+            j = of_pos[-1]
+            inst[j] = (b, inst[j][1], pos)
+            of_pos.append(j)
         else:
             of_pos.append(len(inst))
             inst.append((b, pos, pos))
     return inst, of_pos
+
+
+def _in_backward() -> bool:
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 class Streamer:
@@ -136,6 +189,7 @@ class Streamer:
         meter: Meter,
         guess: list[int],
         placeholders: dict[int, list[Tensor]],
+        homes: dict[int, list[Home]] | None = None,
     ) -> None:
         self.device = device
         self.blocks = blocks
@@ -144,26 +198,37 @@ class Streamer:
         self.meter = meter
         self.streamed = set(streamed)
         self.own = own & self.streamed
+        self.homes = homes or {}
         general = [b for b in streamed if b not in self.own]
         self.slot_bytes = max((blocks[b].nbytes for b in general), default=0)
         self.slots = [_Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(min(prefetch + 1, len(general)))]
         self.slots += [_Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(self.own)]
+        self._index_slots()
         self.placeholders = placeholders
         self.trigger: dict[int, int] = {id(m): b for b in streamed for m in blocks[b].modules}
+        # Every module inside a streamed block: a recompute that runs a block's forward without
+        # its module's hooks (transformers checkpoints `forward`, not `__call__`) is seen there.
+        self.member: dict[int, int] = {id(c): b for b in streamed for m in blocks[b].modules for c in m.modules()}
         self.param_block: dict[int, int] = {id(e.param): b for b in streamed for e in blocks[b].entries}
         self.readers: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
         self.reading: dict[int, list[int]] = {}  # id(module) -> blocks activated for its reads, this pass
-        # The order, and where this pass is in it.
+        self.pushed: dict[int, int] = {}  # id(module) -> saved-tensor hooks it pushed (to pop after it)
+        # The cycle recorded, and where this one is in it.
         self.order: list[int] = [b for b in guess if b in self.streamed]
         self.inst, self.of_pos = plan(self.order, self.own)
-        self.npass = 0
+        self.ncycle = 0
         self.pos = 0
         self.seen: list[int] = []
         self.mismatch = False
         self.faulted = False
+        self.in_cycle = False  # activations since the last cycle ended
+        self.graph = False  # this cycle's forward built a graph: a backward may follow
+        self.backward = False  # this cycle's backward has started
+        self.trained = False  # this cycle had a backward (a step may follow)
         self.next_load = 0
         self.loaded: dict[int, _Loaded] = {}
         self.active: dict[int, int] = {}
+        self.open: set[int] = set()  # active in the backward until another block is
         self.act_pos: dict[int, int] = {}
         self.reset_stats()
         self.started: dict[int, int] = {}  # recording: id(module) -> where its forward started in `seen`
@@ -175,6 +240,9 @@ class Streamer:
         """The next pass records reads (a module reading another block's parameters)."""
         self.sub.record_next()
         self.recording = True
+
+    def _index_slots(self) -> None:
+        self.slot_of_ptr = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
 
     # -- the ring -------------------------------------------------------------------------------
 
@@ -188,6 +256,9 @@ class Streamer:
         views = self.placeholders[b] if slot is None else self._views(slot, b)
         for e, v in zip(self.blocks[b].entries, views):
             e.param.data = v
+
+    def _versions(self, b: int) -> tuple[int, ...]:
+        return tuple(h.version for h in self.homes.get(b, ()))
 
     def _free_slot(self, b: int) -> _Slot | None:
         for s in self.slots:
@@ -213,14 +284,18 @@ class Streamer:
         if b not in self.own:
             self.slot_bytes = max(self.slot_bytes, size)
         self.slots.append(slot)
+        self._index_slots()
         return slot
 
     def _load(self, b: int, g: int, last: int, slot: _Slot | None = None) -> _Loaded:
-        """Queues the copy of block ``b`` into a slot (after that slot's last use)."""
+        """Queues the copy of block ``b`` into a slot (after that slot's last use), once its host
+        copies are not being written (an optimizer's step)."""
         dev = self.device
         if slot is None:
             slot = self._free_slot(b) or self._evict_for(b)
         blk = self.blocks[b]
+        for h in self.homes.get(b, ()):
+            h.ready.wait()
         try:
             host = self.source.host(blk)
         except BaseException:
@@ -236,15 +311,18 @@ class Streamer:
         self.stats["h2d_bytes"] += blk.nbytes
         self.stats["loads"] += 1
         slot.block = b
-        ld = self.loaded[b] = _Loaded(g, slot, e1, last)
+        ld = self.loaded[b] = _Loaded(g, slot, e1, last, self._versions(b))
         return ld
 
     def _abs(self, pos: int) -> int:
-        return self.npass * len(self.order) + pos
+        return self.ncycle * len(self.order) + pos
 
-    def _prefetch(self, g: int) -> None:
-        """Queues the instances after ``g`` up to ``g + prefetch``, in order, while slots are free;
-        starts reading the one after (an NVMe source reads it into a staging slot)."""
+    def _prefetch(self, g: int, after_backward: bool = False) -> None:
+        """Queues the instances after ``g`` up to ``g + prefetch``, in order, while slots are free
+        (and the host copies final); starts reading the ones after (an NVMe source reads them
+        into staging slots). ``after_backward``: from the end of a backward, the next cycle's
+        blocks whose host copies an optimizer writes are left for later (loaded at their
+        activation, once written)."""
         n = len(self.inst)
         if not n:
             return
@@ -252,6 +330,11 @@ class Streamer:
         while self.next_load <= g + self.prefetch:
             j, p = self.next_load % n, self.next_load // n
             b, first, last = self.inst[j]
+            homes = self.homes.get(b, ())
+            if homes and not all(h.ready.is_set() for h in homes):
+                break  # its step has not written it yet: loaded when it is needed
+            if homes and (after_backward or (p > self.ncycle and self.trained)) and any(h.written for h in homes):
+                break  # the next cycle's, after a backward: a step is to come, a copy now would be stale
             ld = self.loaded.get(b)
             if ld is not None:
                 if b in self.active or ld.last >= p * len(self.order) + first:
@@ -274,8 +357,8 @@ class Streamer:
             self.loaded.pop(c).slot.block = None
 
     def _fault(self) -> None:
-        """A load failed: nothing read ahead is trusted; the next pass loads again, in the
-        order recorded before (not this pass's, which stops at the fault)."""
+        """A load failed: nothing read ahead is trusted; the next cycle loads again, in the
+        order recorded before (not this cycle's, which stops at the fault)."""
         self._cancel()
         self.source.reset()
         self.mismatch = True
@@ -283,25 +366,32 @@ class Streamer:
 
     # -- activations ----------------------------------------------------------------------------
 
-    def activate(self, b: int, at: int | None = None) -> None:
-        """Block ``b`` is needed now; ``at``: the position of the pass it belongs to, if not
-        the next one (a read by a module found mid-way: it belongs where that module started)."""
+    def _acquire(self, b: int, at: int | None = None) -> _Loaded:
+        """Block ``b`` is needed now (a new position of the cycle): loaded if it is not (or if
+        what is loaded is stale), the compute stream waiting for its copy, its parameters views
+        of its slot; the instances ahead queued. ``at``: the position of the cycle it belongs to,
+        if not the next one (a read found mid-way belongs where its module started)."""
+        if not self.in_cycle:
+            self.in_cycle = True
         pos = self.pos
         self.pos += 1
         if at is None:
             self.seen.append(b)
         else:
             self.seen.insert(at, b)
-            self.mismatch = True  # the order of this pass is being discovered
+            self.mismatch = True  # the order of this cycle is being discovered
         planned = not self.mismatch and pos < len(self.order) and self.order[pos] == b
         if not planned and not self.mismatch:
             self.mismatch = True
             self._cancel()
         ld = self.loaded.get(b)
+        if ld is not None and b not in self.active and ld.versions != self._versions(b):
+            self.loaded.pop(b).slot.block = None  # copied before its host copies were written
+            ld = None
         g = -1
         if planned:
             j = self.of_pos[pos]
-            g = self.npass * len(self.inst) + j
+            g = self.ncycle * len(self.inst) + j
             if ld is None or ld.g != g:
                 if ld is not None and b not in self.active:
                     self.loaded.pop(b).slot.block = None
@@ -311,7 +401,6 @@ class Streamer:
         elif ld is None:
             self.stats["on_demand"] += 1
             ld = self._load(b, -1, -1)
-        assert ld is not None
         if b not in self.active:
             dev = self.device
             e0 = dev.record_current(timing=True)
@@ -322,14 +411,11 @@ class Streamer:
         self.act_pos[b] = self._abs(pos)
         if planned:
             self._prefetch(g)
+        return ld
 
-    def deactivate(self, b: int) -> None:
-        n = self.active.get(b, 0)
-        if n == 0:  # its activation failed
-            return
-        if n > 1:
-            self.active[b] = n - 1
-            return
+    def _release(self, b: int) -> None:
+        """``b`` stops running: its parameters point to their placeholders; its slot is freed
+        (after the work queued so far) at its instance's last activation."""
         del self.active[b]
         self._point(b, None)
         ld = self.loaded.get(b)
@@ -338,6 +424,128 @@ class Streamer:
             ld.slot.block = None
             del self.loaded[b]
 
+    def activate(self, b: int, at: int | None = None) -> None:
+        """A forward activation (from a module's pre-hook), ended by :meth:`deactivate`."""
+        if self.backward and not _in_backward():
+            self._end_backward()  # a forward after a backward whose end was not seen
+        if torch.is_grad_enabled():
+            self.graph = True
+        self._acquire(b, at)
+
+    def deactivate(self, b: int) -> None:
+        n = self.active.get(b, 0)
+        if n == 0 or b in self.open:  # its activation failed; or it runs on in the backward
+            return
+        if n > 1:
+            self.active[b] = n - 1
+            return
+        self._release(b)
+
+    def _bwd_activate(self, b: int) -> None:
+        """A backward activation (a token unpacked, a checkpointed block recomputed): ``b`` stays
+        active until another block is activated in the backward, or the backward ends."""
+        if not self.backward:
+            self.backward = self.trained = True
+            me = weakref.ref(self)
+
+            def done() -> None:
+                s = me()
+                if s is not None:
+                    s._end_backward()
+
+            torch.autograd.Variable._execution_engine.queue_callback(done)  # type: ignore[attr-defined]
+        if b in self.open:
+            return
+        for c in list(self.open):
+            self.open.discard(c)
+            if self.active.get(c, 0) == 1:
+                self._release(c)
+            elif c in self.active:
+                self.active[c] -= 1
+        self._acquire(b)
+        self.open.add(b)
+
+    def _end_backward(self) -> None:
+        if not self.backward:
+            return
+        for c in list(self.open):
+            self.open.discard(c)
+            if self.active.get(c, 0) == 1:
+                self._release(c)
+            elif c in self.active:
+                self.active[c] -= 1
+        self.backward = False
+        self._end_cycle()
+
+    def _end_cycle(self) -> None:
+        """The cycle is over: recorded if it differs; the next cycle's first blocks queued."""
+        for b in list(self.active):  # a cycle that ended without its post-hooks (an interrupt)
+            self.open.discard(b)
+            self.active[b] = 1
+            self._release(b)
+        self.reading.clear()
+        self.started.clear()
+        self.recording = False
+        changed = self.mismatch or self.seen != self.order
+        if changed:
+            self._cancel()
+            if not self.faulted and self.seen:
+                self.order = self.seen
+                self.inst, self.of_pos = plan(self.order, self.own)
+                self._record()
+        self.seen = []
+        self.mismatch = self.faulted = False
+        self.in_cycle = self.graph = False
+        self.ncycle += 1
+        self.pos = 0
+        self.stats["passes"] += 1
+        self._fold()
+        first = self.ncycle * len(self.inst)
+        if changed:
+            self.next_load = first
+        self._prefetch(first - 1, after_backward=self.trained)  # the next cycle's first blocks, meanwhile
+        self.trained = False
+
+    # -- saved tensors (training) ---------------------------------------------------------------
+
+    def _push_hooks(self) -> None:
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        me = weakref.ref(self)
+
+        def pack(t: Tensor) -> Any:
+            s = me()
+            slot = s.slot_of_ptr.get(t.untyped_storage().data_ptr()) if s is not None else None
+            if s is not None and slot is not None and slot.block is not None and t.device == slot.buf.device:
+                b = slot.block
+                es = t.element_size()
+                off = t.data_ptr() - slot.buf.data_ptr()
+                return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s._versions(b))
+            if outer is not None:
+                return _Outer(outer[0](t), outer[1])
+            return t
+
+        def unpack(x: Any) -> Tensor:
+            if isinstance(x, _Token):
+                s = me()
+                if s is None:
+                    raise RuntimeError("offload_adam: the weights' streamer is gone (offload closed?) before the backward")
+                return s._unpack(x)
+            if isinstance(x, _Outer):
+                return x.unpack(x.packed)
+            return x  # type: ignore[no-any-return]
+
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+    def _unpack(self, tok: _Token) -> Tensor:
+        if tok.versions != self._versions(tok.block):
+            raise RuntimeError(
+                f"offload_adam: the weights of block {self.blocks[tok.block].name} were written (an optimizer step) "
+                "between the forward that used them and its backward"
+            )
+        self._bwd_activate(tok.block)
+        slot = self.loaded[tok.block].slot
+        return torch.as_strided(slot.as_dtype(tok.dtype), tok.size, tok.stride, tok.offset)
+
     # -- the schedule's subscriber interface ----------------------------------------------------
 
     def pre_forward(self, module: torch.nn.Module) -> None:
@@ -345,7 +553,19 @@ class Streamer:
             self.started[id(module)] = len(self.seen)
         b = self.trigger.get(id(module))
         if b is not None:
-            self.activate(b)
+            if _in_backward():
+                self._bwd_activate(b)  # a checkpointed block, recomputed
+            else:
+                self.activate(b)
+            if torch.is_grad_enabled():
+                self._push_hooks()
+                self.pushed[id(module)] = self.pushed.get(id(module), 0) + 1
+        elif self.backward or _in_backward():
+            c = self.member.get(id(module))
+            if c is not None and c not in self.active:
+                # Recomputed inside the backward without the block's own hooks: loaded for it
+                # (and held by the recomputed tensors until the next block's backward).
+                self._bwd_activate(c)
         extra = self.readers.get(module) if self.readers else None
         if extra:
             acts = self.reading.setdefault(id(module), [])
@@ -360,6 +580,13 @@ class Streamer:
                 self.deactivate(c)
         b = self.trigger.get(id(module))
         if b is not None:
+            n = self.pushed.get(id(module), 0)
+            if n:
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+                if n == 1:
+                    del self.pushed[id(module)]
+                else:
+                    self.pushed[id(module)] = n - 1
             self.deactivate(b)
 
     def read_key(self, t: Tensor) -> int | None:
@@ -375,31 +602,11 @@ class Streamer:
         self.reading.setdefault(id(module), []).append(key)
 
     def pass_ended(self, recorded: bool) -> None:
-        if not self.seen:
-            return  # none of our blocks ran
-        for b in list(self.active):  # a pass that ended without its post-hooks (an interrupt)
-            self.active[b] = 1
-            self.deactivate(b)
+        if not self.in_cycle or self.backward or _in_backward():
+            return  # none of our blocks ran; or a recompute inside the backward
         self.reading.clear()
-        self.started.clear()
-        self.recording = False
-        changed = self.mismatch or self.seen != self.order
-        if changed:
-            self._cancel()
-            if not self.faulted:
-                self.order = self.seen
-                self.inst, self.of_pos = plan(self.order, self.own)
-                self._record()
-        self.seen = []
-        self.mismatch = self.faulted = False
-        self.npass += 1
-        self.pos = 0
-        self.stats["passes"] += 1
-        self._fold()
-        first = self.npass * len(self.inst)
-        if changed:
-            self.next_load = first
-        self._prefetch(first - 1)  # the next pass's first blocks, during whatever comes between
+        if not self.graph:
+            self._end_cycle()  # no backward will need these weights: the cycle was this forward
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -446,3 +653,4 @@ class Streamer:
         self.device.drain()
         self.loaded.clear()
         self.active.clear()
+        self.open.clear()

@@ -1,0 +1,84 @@
+"""Parameters whose truth lives on the host: a client streams them to the device, another may
+write them.
+
+A client that keeps a parameter's weights in host memory and streams them to a device (the
+weight streamer) gives the parameter a :class:`Home`: its host copy (a view of pinned memory, the
+parameter's shape and dtype; None where the host copy is not in memory, on NVMe), the device it
+runs on, and a fence. A client that rewrites the host copy (the optimizer's step) raises the fence
+while it writes (``begin_write``/``end_write``); the streamer copies a block to the device only
+once its homes are not being written, and copies again a block whose homes were written since
+(``version``); a host copy with a live ``writer`` is not read ahead across a backward (a step is
+to come, and would make the copy stale).
+
+A parameter held by an optimizer of this package is *claimed*: offloading the weights of a
+claimed parameter is refused (the optimizer imported its storage).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .device import Device
+
+
+@dataclass(eq=False)
+class Home:
+    host: Tensor | None  # the host copy (None: not in memory)
+    device: Device
+    block: str  # what holds it, for errors
+    version: int = 0
+    writer: Any = None  # weak reference to the client that writes it
+    ready: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.ready.set()
+
+    def begin_write(self) -> None:
+        self.version += 1
+        self.ready.clear()
+
+    def end_write(self) -> None:
+        self.ready.set()
+
+    @property
+    def written(self) -> bool:
+        """A live writer holds it."""
+        return self.writer is not None and self.writer() is not None
+
+
+# By identity (a tensor's == is elementwise), weakly.
+_homes: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_claims: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def set_home(p: Tensor, home: Home | None) -> None:
+    if home is None:
+        _homes.pop(p, None)
+    else:
+        _homes[p] = home
+
+
+def home_of(p: Tensor) -> Home | None:
+    h = _homes.get(p)
+    return h if isinstance(h, Home) else None
+
+
+def claim(p: Tensor, who: str) -> None:
+    _claims[p] = who
+
+
+def unclaim(p: Tensor) -> None:
+    _claims.pop(p, None)
+
+
+def claimed(p: Tensor) -> str | None:
+    who = _claims.get(p)
+    return who if isinstance(who, str) else None
+
+
+__all__ = ["Home", "claim", "claimed", "home_of", "set_home", "unclaim"]

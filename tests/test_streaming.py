@@ -198,7 +198,30 @@ def test_grad_scaler_unscales_in_the_kernel_and_skips_infs() -> None:
             s.step(o)
             s.update()
         assert sa.get_scale() == sb.get_scale()
+        if t not in (7, 8):  # (the inf written at 7 is a gradient edited after the backward)
+            # GradScaler hands the kernel the scale: each gradient crossed once, no in-place
+            # unscale made them cross again
+            assert ours.last_step_stats["d2h_bytes"] == sum(p.numel() * p.element_size() for p in a.parameters() if p.grad is not None)
     assert float(ours.state[a.layers[0].weight]["step"]) == 19
+    assert_same_weights(a, b)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_an_unscale_before_the_step_is_not_lost(seed: int) -> None:
+    """``scaler.unscale_(opt)`` before ``scaler.step(opt)`` (to read or clip the gradients, and
+    what Lightning's 16-mixed does): the unscale writes the device gradients in place without
+    bumping their version, after the hooks copied them; the step then got no scale and
+    stepped the host copies still scaled. It copies them again now."""
+    a, b, ours, ref = twins()
+    sa = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    sb = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    for x in batches(8):
+        for m, o, s in ((a, ours, sa), (b, ref, sb)):
+            o.zero_grad()
+            s.scale(loss_of(m, x)).backward()
+            s.unscale_(o)
+            s.step(o)
+            s.update()
     assert_same_weights(a, b)
 
 

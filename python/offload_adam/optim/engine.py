@@ -243,10 +243,14 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def step(self, hypers: Sequence[Hyper], *, scale: float, grad_scale: Tensor | None, found_inf: Tensor | None) -> list[tuple[int, int]]:
+    def step(
+        self, hypers: Sequence[Hyper], *, scale: float, grad_scale: Tensor | None, found_inf: Tensor | None,
+        regather: bool = False,
+    ) -> list[tuple[int, int]]:
         """One step of every group: ``hypers[gi]`` for group ``gi``, gradients multiplied by
         ``scale`` (the clipping coefficient) and by ``1/grad_scale`` (GradScaler), skipped if
-        ``found_inf`` is non-zero. Returns the (group, slot) pairs whose state is new: in async
+        ``found_inf`` is non-zero. ``regather``: the device gradients were rewritten in place
+        in a way their version does not show (GradScaler's unscale): copy them all again. Returns the (group, slot) pairs whose state is new: in async
         mode the state views are handed out before the step has run (see :meth:`unstepped`).
         Everything is checked before anything changes."""
         self.synchronize()
@@ -275,7 +279,7 @@ class Engine:
                 for t in bound:
                     t.grad = None
         if self.streamed is not None:
-            first += self._step_streamed(hypers, scale, grad_scale, found_inf)
+            first += self._step_streamed(hypers, scale, grad_scale, found_inf, regather)
         return first
 
     def _step_direct(self, direct: list[tuple[int, GroupState]], hypers: Sequence[Hyper], scale: float) -> list[tuple[int, int]]:
@@ -362,11 +366,11 @@ class Engine:
         return now if before is None else {k: v - before.get(k, 0.0) for k, v in now.items()}
 
     def _step_streamed(
-        self, hypers: Sequence[Hyper], scale: float, grad_scale: Tensor | None, found_inf: Tensor | None
+        self, hypers: Sequence[Hyper], scale: float, grad_scale: Tensor | None, found_inf: Tensor | None, regather: bool
     ) -> list[tuple[int, int]]:
         st, dev = self.streamed, self.device
         assert st is not None and dev is not None
-        st.collect(scaler_ready=grad_scale is not None)
+        st.collect(scaler_ready=grad_scale is not None, regather=regather)
         work = st.take()
         counts = {id(g): g.steps.tolist() for _, g in self.live_groups() if g.streamed}
         first = [(b.gi, r.index) for b, recs in work for r in recs if counts[id(b.group)][r.index] == 0.0]

@@ -294,10 +294,11 @@ class StreamedGrads:
             r.hook.remove()  # swap_tensors moves hooks with the old contents: register again
             r.hook = r.owner.register_post_accumulate_grad_hook(self._hook)
 
-    def collect(self, scaler_ready: bool) -> None:
+    def collect(self, scaler_ready: bool, regather: bool = False) -> None:
         """Before a step: copy gradients the hooks did not see, or that changed after their copy
-        (``clip_grad_norm_`` on the model, a manual edit); drop the host copy of a gradient set
-        to None since (torch then skips the parameter); flush partial buckets."""
+        (``clip_grad_norm_`` on the model, a manual edit; every one with ``regather``: changed in
+        a way their version counter does not show); drop the host copy of a gradient set to None
+        since (torch then skips the parameter); flush partial buckets."""
         for r in self.recs:
             g = r.grad()
             if g is None:
@@ -313,7 +314,7 @@ class StreamedGrads:
             # it drives: that one version bump changes no value.
             expected = r.grad_version + (1 if scaler_ready else 0)
             same = r.grad_ref is not None and r.grad_ref() is g
-            if not (r.has_grad and same and g._version in (r.grad_version, expected)):
+            if regather or not (r.has_grad and same and g._version in (r.grad_version, expected)):
                 r.pending, r.accumulate = g, False
         for b in self.buckets:
             if any(r.pending is not None for r in b.recs):

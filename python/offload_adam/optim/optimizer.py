@@ -504,7 +504,12 @@ class Adam(Optimizer):
                         if entry:
                             dict.__setitem__(entry, "max_exp_avg_sq", state.entry(i)["max_exp_avg_sq"])
         gs = grad_scale if isinstance(grad_scale, Tensor) or grad_scale is None else torch.tensor(float(grad_scale))
-        first = self._engine.step(hypers, scale=self._clip_coef, grad_scale=gs, found_inf=found_inf)
+        # GradScaler gives an inf flag without a scale when unscale_(self) ran before its step:
+        # the device gradients were divided in place (by a kernel that does not bump their
+        # version) after the backward's copies were queued, which may have read them before.
+        first = self._engine.step(
+            hypers, scale=self._clip_coef, grad_scale=gs, found_inf=found_inf, regather=found_inf is not None and gs is None
+        )
         self._clip_coef = 1.0
         for gi, i in first:
             new = self._engine.groups[gi]

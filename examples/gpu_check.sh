@@ -7,8 +7,8 @@
 #
 # The whole check fits in one call of 10 minutes: each step gets what is left of DEADLINE_S
 # (default 540 s), in order of what is owed most: the CUDA tests, the 1.1B bf16 optimizer bench,
-# the weights bench (tokens/s against accelerate and diffusers) and generate.py with weights
-# streamed, the demo on the GPU, the NVMe bench on that machine's disk, then the rest of the suite.
+# the weights bench (tokens/s against accelerate and diffusers), generate.py with weights
+# streamed and the training-with-streamed-weights bench, the demo (and with --offload-weights) on the GPU, the NVMe bench on that machine's disk, then the rest of the suite.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 DEADLINE_S=${DEADLINE_S:-540}
@@ -36,8 +36,13 @@ mkdir -p /tmp/oa_nvme
 {
   timeout "$(left 90)" python3 -m offload_adam bench --weights /tmp/oa_nvme --weights-gb 2 --rounds 3 2>&1 | tail -12
   timeout "$(left 40)" python3 examples/generate.py --layers 16 --d-model 2048 --tokens 32 2>&1 | tail -8
+  # training with streamed weights against the model resident and FSDP2 + CPUOffloadPolicy
+  timeout "$(left 90)" python3 -m offload_adam bench --train-weights --rounds 3 2>&1 | tail -8
 } | tee "$OUT/weights.txt"
-timeout "$(left 40)" python3 examples/train_gpt.py --steps 100 --plot "$OUT/breakdown.png" 2>&1 | tail -8 | tee "$OUT/demo.txt"
+{
+  timeout "$(left 40)" python3 examples/train_gpt.py --steps 100 --plot "$OUT/breakdown.png" 2>&1 | tail -8
+  timeout "$(left 30)" python3 examples/train_gpt.py --steps 50 --offload-weights 2>&1 | tail -4
+} | tee "$OUT/demo.txt"
 # The NVMe tier against that machine's disk (raw O_DIRECT bandwidth first, same run).
 timeout "$(left 60)" python3 -m offload_adam bench --nvme /tmp/oa_nvme --rounds 3 --raw-gb 1 2>&1 | tail -12 | tee "$OUT/nvme_bench.txt"
 echo "--- the rest of the suite (not cuda), on this machine's CPU and torch" >> "$OUT/tests.txt"

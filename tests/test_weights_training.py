@@ -276,3 +276,17 @@ def test_bad_combinations_are_refused_before_anything_changes(nvme_dir: str) -> 
         opt.close()
         h.close()
         assert not any(p.isnan().any() for p in model.parameters())
+
+
+def test_train_weights_bench_reports_bytes_and_breakdown() -> None:
+    """The bench's CPU part (simulated device): both cases measured, the streamed one moving no
+    copy-back and its weights up about twice a step, the resident one copying back."""
+    from offload_adam.tools import train_weights_bench
+
+    with testing.simulated_device(max_delay_s=0.0, lazy=False):
+        res = train_weights_bench._measure(layers=2, d=64, vocab=256, batch=2, seq=8, rounds=2, prefetch=1, cuda=False)
+    s, r = res["streamed (offload_weights)"], res["resident, optimizer offloaded"]
+    assert s["h2d_bytes_copy_back"] == 0 and r["h2d_bytes_copy_back"] > 0
+    assert s["d2h_bytes"] == r["d2h_bytes"] > 0
+    assert s["streamed_bytes"] < s["weights_h2d_bytes"] <= 2 * s["streamed_bytes"]
+    assert s["gpu_peak_bytes"] <= s["ring_bytes"] + s["gpu_resident_bytes"] + 64

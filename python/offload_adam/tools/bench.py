@@ -171,6 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fsdp2", action="store_true", help="instead: the step on FSDP2 local shards (see fsdp_bench)")
     ap.add_argument("--world", type=int, default=2, help="--fsdp2: processes (default 2)")
     ap.add_argument("--weights", metavar="DIR", help="instead: weights offloaded, their NVMe read path under DIR (see weights_bench)")
+    ap.add_argument(
+        "--train-weights", action="store_true",
+        help="instead: training with streamed weights against the model resident and FSDP2 (see train_weights_bench)",
+    )  # fmt: skip
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
@@ -187,6 +191,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
+        return 0
+    if args.train_weights:
+        from . import train_weights_bench
+
+        tres = train_weights_bench.run(rounds=args.rounds, prefetch=args.prefetch)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(tres, f, indent=1)
         return 0
     if args.weights:
         from . import weights_bench

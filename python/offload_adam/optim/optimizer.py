@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import sys
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,6 +29,10 @@ from . import checkpoint, ddp
 from .engine import Engine, Hyper
 from .tier import HostTier, NvmeTier, Tier
 from .state import STATE_KEYS, GroupState, is_dtensor, same_sharding
+
+# The one reader of `_step_supports_amp_scaling` that gets True (every torch GradScaler, FSDP's
+# ShardedGradScaler included, inherits this step).
+_GRAD_SCALER_STEP = torch.amp.GradScaler.step.__code__
 
 __all__ = ["Adam", "AdamW"]
 
@@ -364,7 +369,6 @@ class Adam(Optimizer):
         self._config = config
         self.offload = config["offload"]
         self._clip_coef = 1.0
-        self._step_supports_amp_scaling = True
         self._engine = Engine(
             num_threads=config["num_threads"],
             bias_correction=config["bias_correction"],
@@ -383,7 +387,12 @@ class Adam(Optimizer):
 
     @property  # type: ignore[override]
     def state(self) -> _State:
-        return self.__dict__["_state"]  # type: ignore[no-any-return]
+        # AttributeError, not KeyError, where it is missing: a wrapper that takes our class
+        # without our instance dict (Lightning's LightningOptimizer) then forwards to us.
+        try:
+            return self.__dict__["_state"]  # type: ignore[no-any-return]
+        except KeyError:
+            raise AttributeError("state") from None
 
     @state.setter
     def state(self, value: Any) -> None:
@@ -393,6 +402,16 @@ class Adam(Optimizer):
         s.dirty = bool(s)
         self.__dict__["_state"] = s
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """True for torch's GradScaler only: its step then hands ours the scale and the inf
+        flag, and the kernel unscales on the host as it reads the gradients (offloaded ones
+        cross once, with no unscale on the device that would make them cross again). Every
+        other reader sees False, as for torch's AdamW: Lightning's precision plugins refuse to
+        clip for an optimizer that declares it (under bf16-mixed too, with no scaler at all),
+        and under 16-mixed unscale the gradients themselves before clipping (then the step,
+        told so by GradScaler, copies them again: see step)."""
+        return sys._getframe(1).f_code is _GRAD_SCALER_STEP
     def register_ddp_hook(self, model: Any, process_group: Any = None) -> None:
         """Makes ``model`` (a ``DistributedDataParallel`` over this optimizer's offloaded
         parameters) hand over its averaged gradients: each crosses to the host once, bucket by

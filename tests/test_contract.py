@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import assert_state_close, clone_params, make_params, max_diff, run_twins
 
+import offload_adam
 from offload_adam import AdamW, testing
 
 STREAMING = [False, True]
@@ -269,3 +270,73 @@ def test_a_model_built_on_the_meta_device_then_materialized(streamed: bool) -> N
             assert max_diff(a, b) <= 2e-5
     finally:
         torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def _strided(t: torch.Tensor) -> torch.nn.Parameter:
+    """A parameter that is a strided view, not dense in memory (torch's test_optim makes them
+    with ``[..., 0]`` of a 3-d tensor): shape (10, 5), strides (10, 2)."""
+    base = torch.empty(*t.shape, 2, dtype=t.dtype)
+    p = torch.nn.Parameter(base[..., 0])
+    with torch.no_grad():
+        p.copy_(t)
+    return p
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+def test_a_strided_parameter_is_stepped_as_torch_steps_it(amsgrad: bool) -> None:
+    """A parameter that is not dense in memory was refused; torch steps it (4 errors of torch's
+    test_optim, test_forloop_goes_right_direction with contiguous=False). It is stepped through a
+    contiguous stand-in written back after each step, in place: the parameter keeps its storage."""
+    torch.manual_seed(0)
+    init = [torch.randn(10, 5), torch.randn(7, 3)]
+    ps = [_strided(init[0]), _strided(init[1]), torch.nn.Parameter(torch.randn(4, 6))]
+    qs = [_strided(init[0]), _strided(init[1]), torch.nn.Parameter(ps[2].detach().clone())]
+    ptrs = [p.data_ptr() for p in ps]
+    assert not ps[0].is_contiguous() and ps[0].stride() == (10, 2)
+    ours = offload_adam.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    ref = torch.optim.AdamW(qs, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad, foreach=False)
+
+    def rewrite(t: int) -> None:
+        if t == 9:  # a write into the model between steps (a load) is taken by the next step
+            with torch.no_grad():
+                ps[0].mul_(0.5)
+                qs[0].mul_(0.5)
+
+    run_twins(ours, ref, ps, qs, 30, after_step=rewrite)
+    for p, q, ptr in zip(ps, qs, ptrs):
+        assert p.data_ptr() == ptr and p.stride() == q.stride()
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+    assert_state_close(ours, ref, ps, qs)
+    # the state and its round trip follow the parameter's shape
+    sd = ours.state_dict()
+    assert sd["state"][0]["exp_avg"].shape == (10, 5)
+    again = offload_adam.AdamW(ps, lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+    again.load_state_dict(sd)
+    assert torch.equal(again.state[ps[0]]["exp_avg_sq"], ours.state[ps[0]]["exp_avg_sq"])
+
+
+def test_forloop_goes_right_direction_with_strided_parameters() -> None:
+    """torch's test_forloop_goes_right_direction(contiguous=False), for AdamW and Adam."""
+    for cls in (offload_adam.AdamW, offload_adam.Adam):
+        torch.manual_seed(0)
+        weight = torch.nn.Parameter(torch.randn((10, 5, 2))[..., 0])
+        bias = torch.nn.Parameter(torch.randn((10, 2))[..., 0])
+        x = torch.randn(5)
+        opt = cls([weight, bias], lr=1e-3)
+
+        def closure() -> torch.Tensor:
+            opt.zero_grad()
+            loss = (weight.mv(x) + bias).pow(2).sum()
+            loss.backward()
+            return loss
+
+        initial = closure().item()
+        for _ in range(20):
+            opt.step(closure)
+        assert closure().item() < initial
+
+
+def test_an_overlapping_parameter_is_refused_clearly() -> None:
+    p = torch.nn.Parameter(torch.randn(1, 4).expand(3, 4))
+    with pytest.raises(ValueError, match="parameter 0 .*overlap in memory"):
+        offload_adam.AdamW([p])

@@ -273,11 +273,14 @@ class Engine:
             grad_scale = found_inf = None
         if direct:
             bound = self._bind_shards()
+            stand = [(g, g.bind_stand_ins()) for _, g in direct]
             try:
                 first += self._step_direct(direct, hypers, scale)
             finally:
                 for t in bound:
                     t.grad = None
+                for g, slots in stand:
+                    g.unbind_stand_ins(slots)
         if self.streamed is not None:
             first += self._step_streamed(hypers, scale, grad_scale, found_inf, regather)
         return first

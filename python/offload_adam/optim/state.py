@@ -45,6 +45,29 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
+def is_dense(t: Tensor) -> bool:
+    """Its elements fill exactly ``numel`` consecutive slots in some order of the dimensions
+    (contiguous, channels_last, any permutation): what the kernel can step in place."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def stand_in(p: Tensor, name: str) -> Tensor | None:
+    """A CPU parameter that is not dense in memory (a strided view: every other column) is
+    stepped through a contiguous copy of it, written back after each step (None: dense, it is
+    stepped in place). One whose elements overlap cannot be updated elementwise at all."""
+    if is_dense(p):
+        return None
+    if torch._debug_has_internal_overlap(p) == 1:
+        raise ValueError(f"{name}: its elements overlap in memory (an expanded tensor): it cannot be updated in place")
+    return p.detach().clone(memory_format=torch.contiguous_format)
+
+
 def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
     """The slot of ``p`` in ``flat``, shaped (and strided) like ``p``."""
     offset += int(flat.storage_offset())  # as_strided counts from the storage's start
@@ -151,6 +174,12 @@ class GroupState:
                     raise TypeError(f"{name}: dtype {p.dtype} cannot be offloaded (float32, bfloat16, float16)")
                 if home is None and not p.is_contiguous():
                     raise ValueError(f"{name}: an offloaded parameter must be contiguous")
+        # CPU parameters not dense in memory: the kernel steps a contiguous stand-in (see stand_in).
+        self.stand_ins: list[Tensor | None] = [None] * len(params)
+        self.stand_versions: list[int] = [0] * len(params)
+        if not self.streamed:
+            self.stand_ins = [stand_in(p, name) for p, name in zip(params, names)]
+            self.stand_versions = [p._version for p in params]
         lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align)
         self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
         alloc: Callable[[int, torch.dtype], Tensor] = (
@@ -177,7 +206,7 @@ class GroupState:
         else:
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
-                self.max_exp_avg_sq, params=self.params,
+                self.max_exp_avg_sq, params=[d if d is not None else p for p, d in zip(self.params, self.stand_ins)],
             )  # fmt: skip
 
     def __len__(self) -> int:
@@ -196,8 +225,8 @@ class GroupState:
         off = self.offsets[i]
         # Shaped (and strided) like the parameter; a hosted one like its home (its data, a view
         # that moves with its streaming, has any strides).
-        home = self.homes[i]
-        p = home if home is not None else self.params[i]
+        home, d = self.homes[i], self.stand_ins[i]
+        p = home if home is not None else d if d is not None else self.params[i]
         out = {"step": self.steps[i], "exp_avg": _view(self.exp_avg, off, p), "exp_avg_sq": _view(self.exp_avg_sq, off, p)}
         if self.max_exp_avg_sq is not None:
             out["max_exp_avg_sq"] = _view(self.max_exp_avg_sq, off, p)
@@ -232,6 +261,34 @@ class GroupState:
         self.native.set_max_exp_avg_sq(buf)
         self.max_exp_avg_sq = buf
         return True
+
+    # -- CPU parameters stepped through a stand-in ---------------------------------------------
+
+    def bind_stand_ins(self) -> list[int]:
+        """Before a step: each stand-in takes its parameter's value if the parameter was written
+        since (a load into the model) and its gradient (contiguous, as AccumulateGrad makes
+        the gradient of a parameter that is not dense). Returns the slots bound."""
+        bound = []
+        for i, d in enumerate(self.stand_ins):
+            if d is None:
+                continue
+            p = self.params[i]
+            if p._version != self.stand_versions[i]:
+                d.copy_(p)
+            g = p.grad
+            d.grad = None if g is None else g if g.is_contiguous() else g.contiguous()
+            bound.append(i)
+        return bound
+
+    def unbind_stand_ins(self, bound: list[int]) -> None:
+        """After a step (also a failed one: a slot is updated whole or not at all): the weights
+        back into the parameters."""
+        for i in bound:
+            d, p = self.stand_ins[i], self.params[i]
+            assert d is not None
+            d.grad = None
+            p.copy_(d)
+            self.stand_versions[i] = p._version
 
     # -- offloaded parameters -----------------------------------------------------------------
 

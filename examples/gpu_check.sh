@@ -38,6 +38,8 @@ mkdir -p /tmp/oa_nvme
   timeout "$(left 40)" python3 examples/generate.py --layers 16 --d-model 2048 --tokens 32 2>&1 | tail -8
   # training with streamed weights against the model resident and FSDP2 + CPUOffloadPolicy
   timeout "$(left 90)" python3 -m offload_adam bench --train-weights --rounds 3 2>&1 | tail -8
+  # activations offloaded against save_on_cpu and torchtune's OffloadActivations
+  timeout "$(left 60)" python3 -m offload_adam bench --activations --rounds 3 2>&1 | tail -8
 } | tee "$OUT/weights.txt"
 {
   timeout "$(left 40)" python3 examples/train_gpt.py --steps 100 --plot "$OUT/breakdown.png" 2>&1 | tail -8

@@ -8,6 +8,7 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 
 from . import _native
+from .activations import ActivationOffload, offload_activations
 from .optim.ddp import register_ddp_hook
 from .runtime.pager import remove_stale_runs, stale_runs
 from .weights import WeightOffload, offload_weights
@@ -29,4 +30,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["Adam", "AdamW", "WeightOffload", "offload_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]
+__all__ = ["ActivationOffload", "Adam", "AdamW", "WeightOffload", "offload_activations", "offload_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]

@@ -241,3 +241,23 @@ def use_device(dev: Device) -> Iterator[Device]:
         yield dev
     finally:
         _cpu.reset(token)
+
+
+def stream_device(device: Any, why: str) -> Device:
+    """The Device a client streams to: ``device`` (a CUDA device), or by default the simulated
+    device installed on the CPU (``offload_adam.testing.simulated_device()``), else the current
+    CUDA device. ``why`` ends the error where there is none ("offload_weights streams weights
+    to a GPU")."""
+    if device is None:
+        sim = device_for(torch.device("cpu"))  # installed by offload_adam.testing.simulated_device()
+        if sim is not None:
+            return sim
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: no CUDA device here ({why})")
+        device = torch.device("cuda", torch.cuda.current_device())
+    d = torch.device(device)
+    if d.type != "cuda" and not (d.type == "cpu" and device_for(d) is not None):
+        raise ValueError(f"device: {d} is not a CUDA device")
+    dev = device_for(d)
+    assert dev is not None
+    return dev

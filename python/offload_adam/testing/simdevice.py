@@ -370,9 +370,11 @@ class SimulatedDevice:
 
     def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
         """Device memory: a CPU tensor the simulator treats as device memory (waits of the
-        current stream are honoured before operations on it), NaN-filled (never initialized)."""
+        current stream are honoured before operations on it), NaN-filled (never initialized; bytes
+        0xA5)."""
         with self._host_section():
-            t = torch.full((n,), float("nan"), dtype=dtype) if dtype.is_floating_point else torch.empty(n, dtype=dtype)
+            # NaN, or for bytes a pattern that decodes to garbage in any dtype
+            t = torch.full((n,), float("nan") if dtype.is_floating_point else 0xA5 if dtype == torch.uint8 else -1, dtype=dtype)
         self._note_device(t)
         self.allocated.track(t)
         return meter.track(t) if meter is not None else t

@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         "--train-weights", action="store_true",
         help="instead: training with streamed weights against the model resident and FSDP2 (see train_weights_bench)",
     )  # fmt: skip
+    ap.add_argument(
+        "--activations", action="store_true",
+        help="instead: activations offloaded, against save_on_cpu and torchtune on a GPU (see activations_bench)",
+    )  # fmt: skip
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
@@ -191,6 +195,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(res, f, indent=1)
+        return 0
+    if args.activations:
+        from . import activations_bench
+
+        ares = activations_bench.run(rounds=args.rounds)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(ares, f, indent=1)
         return 0
     if args.train_weights:
         from . import train_weights_bench

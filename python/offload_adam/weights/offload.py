@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.device import Device, Meter, device_for
+from ..runtime.device import Device, Meter, stream_device
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pinned import PinnedArena
 from .blocks import Block, find_blocks
@@ -343,24 +343,8 @@ def offload_weights(
     if blocks is not None and not isinstance(blocks, (list, tuple)):
         raise TypeError(f"blocks must be a list of modules, got {type(blocks).__name__}")
     _check_model(model, checkpoint)
-    dev = _device(device)
+    dev = stream_device(device, "offload_weights streams weights to a GPU")
     return WeightOffload(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
         prefetch=prefetch, blocks=list(blocks) if blocks is not None else None,
     )  # fmt: skip
-
-
-def _device(device: Any) -> Device:
-    if device is None:
-        sim = device_for(torch.device("cpu"))  # installed by offload_adam.testing.simulated_device()
-        if sim is not None:
-            return sim
-        if not torch.cuda.is_available():
-            raise ValueError("device: no CUDA device here (offload_weights streams weights to a GPU)")
-        device = torch.device("cuda", torch.cuda.current_device())
-    d = torch.device(device)
-    if d.type != "cuda" and not (d.type == "cpu" and device_for(d) is not None):
-        raise ValueError(f"device: {d} is not a CUDA device")
-    dev = device_for(d)
-    assert dev is not None
-    return dev

@@ -1,0 +1,281 @@
+"""Activations offloaded (offload_activations), on the CPU through the simulated device: copies
+after random delays, lazy stream waits, device memory uninitialized (NaN, bytes 0xA5). The
+gradients are bitwise those of the same model without offloading: they are the same tensors."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import testing
+
+transformers = pytest.importorskip("transformers")
+VOCAB = 128
+
+
+def gpt2(dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg).to(dtype).train()
+
+
+def llama(dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).to(dtype).train()
+
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+
+
+def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = m(x[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten())
+
+
+def data(seed: int, n: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + seed)
+    return [torch.randint(3, VOCAB, (4, 65), generator=g) for _ in range(n)]
+
+
+def checkpointing(m: torch.nn.Module, how: str | None) -> None:
+    if how is not None:
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
+
+
+@pytest.fixture
+def nvme_dir(tmp_path: Any) -> Iterator[str]:
+    d = tmp_path / "nvme"
+    d.mkdir()
+    yield str(d)
+    assert os.listdir(d) == [], "the run directory was left behind"
+
+
+_CASES = [
+    (arch, dtype, ck, storage, inside)
+    for k, (arch, dtype, ck) in enumerate(
+        (a, d, c) for a in MODELS for d in (torch.float32, torch.bfloat16) for c in (None, "non-reentrant", "reentrant")
+    )
+    for storage, inside in [(("cpu", "nvme")[k % 2], bool(k // 2 % 2))]
+]
+
+
+@pytest.mark.parametrize("arch, dtype, ck, storage, inside", _CASES)
+def test_gradients_are_bitwise_the_unoffloaded_models(
+    arch: str, dtype: torch.dtype, ck: str | None, storage: str, inside: bool, tmp_path: Any
+) -> None:
+    seed = len(arch) + (dtype == torch.bfloat16)
+    nv = {"storage": "nvme", "nvme_dir": str(tmp_path)} if storage == "nvme" else {}
+    with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
+        m = MODELS[arch](dtype, seed)
+        ref = copy.deepcopy(m)
+        checkpointing(m, ck)
+        checkpointing(ref, ck)
+        (x,) = data(seed)
+        loss_of(ref, x).backward()
+        ao = offload_adam.offload_activations(min_bytes=1024, prefetch=1 + seed % 2, **nv)
+        with ao:
+            loss = loss_of(m, x)
+            if inside:
+                loss.backward()
+        if not inside:
+            loss.backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+        rep = ao.report()
+        assert rep["offloaded_bytes"] > 0 and rep["h2d_bytes"] == rep["d2h_bytes"] == rep["offloaded_bytes"]
+        if ck is None:
+            assert rep["offloaded_bytes"] >= 0.8 * (rep["offloaded_bytes"] + rep["kept_bytes"]), rep
+        if storage == "nvme":
+            assert rep["write_bytes"] > 0 and rep["read_bytes"] > 0
+        ao.close()
+        assert sim.violations == []
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_storage_saved_twice_or_through_two_views_is_offloaded_once() -> None:
+    with testing.simulated_device(seed=3, max_delay_s=0.001):
+        w = torch.randn(64, 64, requires_grad=True)
+        ref = None
+        for offload in (False, True):
+            ao = offload_adam.offload_activations(min_bytes=1024)
+            with ao if offload else contextlib.nullcontext():
+                h = w * 2  # a fresh storage of 16 KiB (a product by a scalar saves nothing)
+                y = (h * h).sum() + (h[:, :32] * h[:, 32:]).sum()  # h twice; two views of it
+            y.backward()
+            g = w.grad.clone()
+            w.grad = None
+            if ref is None:
+                ref = g
+            else:
+                assert torch.equal(g, ref)
+                rep = ao.report()
+                assert rep["offloaded_tensors"] == 1 and rep["offloaded_bytes"] == h.untyped_storage().nbytes()
+                assert rep["deduplicated_tensors"] == 3
+            ao.close()
+
+
+def test_small_tensors_and_parameters_stay_on_the_device() -> None:
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
+        lin = torch.nn.Linear(256, 256)
+        x = torch.randn(2, 256, requires_grad=True)  # a leaf that requires grad: kept
+        with offload_adam.offload_activations(min_bytes=4096) as ao:
+            y = torch.tanh(lin(x))  # saves x, weight (parameters: kept) and tanh's 2 KiB output (small)
+            z = torch.sigmoid(torch.randn(64, 64, requires_grad=True)).sum()  # its 16 KiB output: offloaded
+        (y.sum() + z).backward()
+        rep = ao.report()
+        assert rep["offloaded_tensors"] == 1 and rep["offloaded_bytes"] == 64 * 64 * 4
+        assert rep["kept_tensors"] >= 3
+        ao.close()
+
+
+def test_host_memory_is_bounded_and_reused_between_steps() -> None:
+    with testing.simulated_device(seed=1, max_delay_s=0.001):
+        m = gpt2(torch.float32, 0)
+        ao = offload_adam.offload_activations(min_bytes=1024)
+        held = []
+        for x in data(1, 5):
+            with ao:
+                loss = loss_of(m, x)
+            loss.backward()
+            held.append(ao.report()["host_pinned_bytes"])
+        per_step = ao.report()["offloaded_bytes"] / 5
+        assert held[1:] == held[:1] * 4, held  # the slabs of the first step serve the next ones
+        assert held[0] <= 2 * per_step + (1 << 20)
+        ao.close()
+
+
+def test_the_module_form_offloads_only_what_chosen_modules_save() -> None:
+    with testing.simulated_device(seed=2, max_delay_s=0.001):
+        m = llama(torch.float32, 2)
+        ref = copy.deepcopy(m)
+        (x,) = data(2)
+        loss_of(ref, x).backward()
+        whole = offload_adam.offload_activations(min_bytes=1024)
+        with whole:
+            loss_of(copy.deepcopy(m), x).backward()
+        ao = offload_adam.offload_activations(min_bytes=1024, modules=[m.model.layers[0]])
+        loss_of(m, x).backward()  # no `with`: the hooks of the chosen module
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        part, everything = ao.report()["offloaded_bytes"], whole.report()["offloaded_bytes"]
+        assert 0 < part < 0.7 * everything
+        ao.close()  # the hooks removed
+        loss_of(m, x).backward()
+        assert ao.report()["offloaded_bytes"] == part
+        whole.close()
+
+
+def test_a_second_backward_with_retain_graph() -> None:
+    with testing.simulated_device(seed=4, max_delay_s=0.001):
+        m = gpt2(torch.float32, 4)
+        ref = copy.deepcopy(m)
+        (x,) = data(4)
+        lr = loss_of(ref, x)
+        lr.backward(retain_graph=True)
+        lr.backward()
+        with offload_adam.offload_activations(min_bytes=1024) as ao:
+            loss = loss_of(m, x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad)
+        assert ao.report()["h2d_bytes"] == 2 * ao.report()["offloaded_bytes"]
+        ao.close()
+
+
+@pytest.mark.parametrize("storage", ["cpu", "nvme"])
+def test_with_streamed_weights_and_our_optimizer_training_is_bitwise_the_same(storage: str, nvme_dir: str) -> None:
+    """Weights streamed by offload_weights (their saved tensors are the streamer's tokens, the
+    rest goes to the activation offload), the optimizer offloading: training is bitwise the same
+    training without offloading the activations."""
+    nv = {"storage": "nvme", "nvme_dir": nvme_dir} if storage == "nvme" else {}
+    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
+        out = []
+        for offload in (False, True):
+            m = gpt2(torch.bfloat16, 5)
+            h = offload_adam.offload_weights(m, prefetch=1)
+            opt = offload_adam.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05)
+            ao = offload_adam.offload_activations(min_bytes=1024, **nv)
+            for x in data(5, 6):
+                if offload:
+                    with ao:
+                        loss = loss_of(m, x)
+                else:
+                    loss = loss_of(m, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+            opt.synchronize()
+            from offload_adam.runtime.hosted import home_of
+
+            out.append([home_of(p).host.clone() for p in m.parameters()])  # type: ignore[union-attr]
+            if offload:
+                assert ao.report()["offloaded_bytes"] > 0
+            ao.close()
+            opt.close()
+            h.close()
+        assert all(torch.equal(a, b) for a, b in zip(*out))
+        assert sim.violations == []
+
+
+def test_bad_arguments_are_refused_clearly(tmp_path: Any) -> None:
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
+        with pytest.raises(ValueError, match="min_bytes must be an integer >= 0"):
+            offload_adam.offload_activations(min_bytes=-1)
+        with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
+            offload_adam.offload_activations(prefetch=1.5)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="storage must be one of"):
+            offload_adam.offload_activations(storage="disk")
+        with pytest.raises(ValueError, match="nvme_dir: storage='nvme' needs a directory"):
+            offload_adam.offload_activations(storage="nvme")
+        with pytest.raises(ValueError, match="nvme_dir is only for storage='nvme'"):
+            offload_adam.offload_activations(nvme_dir=str(tmp_path))
+        with pytest.raises(TypeError, match="modules: expected nn.Modules"):
+            offload_adam.offload_activations(modules=[1])
+        with pytest.raises(ValueError, match="not a directory"):
+            with offload_adam.offload_activations(storage="nvme", nvme_dir=str(tmp_path / "missing"), min_bytes=0):
+                (torch.randn(64, 64, requires_grad=True) * 2).exp().sum().backward()
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA device here"):
+            offload_adam.offload_activations()
+
+
+def test_activations_bench_reports_the_bytes_kept_and_moved() -> None:
+    from offload_adam.tools import activations_bench
+
+    res = activations_bench.simulated(rounds=1, min_bytes=1024)
+    r = res["report"]
+    assert r["offloaded_bytes"] >= 0.8 * (r["offloaded_bytes"] + r["kept_bytes"])
+    assert r["h2d_bytes"] == r["d2h_bytes"] == r["offloaded_bytes"]
+
+
+def test_the_free_list_reuses_and_merges_released_ranges() -> None:
+    from offload_adam.activations.offload import SLAB, FreeList
+
+    made: list[int] = []
+
+    def grow(n: int) -> tuple[int, int]:
+        made.append(max(n, SLAB))
+        return len(made) - 1, made[-1]
+
+    fl = FreeList(grow, 512)
+    a, b, c = fl.alloc(1000), fl.alloc(512), fl.alloc(10)
+    assert [a, b, c] == [(0, 0), (0, 1024), (0, 1536)] and len(made) == 1
+    fl.release(*a, 1000)
+    fl.release(*b, 512)
+    assert fl.alloc(1536) == (0, 0)  # the two released ranges merged
+    assert fl.alloc(SLAB) == (1, 0) and len(made) == 2  # too large for the first: a new segment

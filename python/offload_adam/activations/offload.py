@@ -113,7 +113,7 @@ class HostPool:
 class _Item:
     """One offloaded storage."""
 
-    index: int  # in the order saved, in its generation
+    ptr: int  # its storage's address when saved
     nbytes: int
     d2h_event: Any
     probe: Any  # a weak reference to a tensor of the storage: the storage lives while it does
@@ -274,7 +274,7 @@ class ActivationOffload:
             dev.copy([(host, src)], dev.d2h)
         ev = dev.record(dev.d2h)
         dev.keep_until_done(src, dev.d2h)  # the device storage stays until its copy has run
-        item = _Item(len(self.items), nbytes, ev, weakref.ref(t), host=host, where=where)
+        item = _Item(st.data_ptr(), nbytes, ev, weakref.ref(t), host=host, where=where)
         self.items.append(item)
         self.stats.offloaded_bytes += nbytes
         self.stats.d2h_bytes += nbytes
@@ -298,6 +298,8 @@ class ActivationOffload:
             item.freed = True
             item.dev = None
             self.items.remove(item)
+            if self.by_ptr.get(item.ptr) is item:
+                del self.by_ptr[item.ptr]
             if item.writing is not None:
                 self._wait(item.writing)
                 item.writing = None

@@ -20,19 +20,7 @@ import torch
 
 from .. import testing
 from ..activations import offload_activations
-
-
-def _llama(layers: int, d: int, vocab: int, device: str, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=layers, hidden_size=d, intermediate_size=int(2.75 * d) // 64 * 64, num_attention_heads=max(1, d // 128),
-        num_key_value_heads=max(1, d // 512), vocab_size=vocab, max_position_embeddings=4096,
-    )  # fmt: skip
-    with torch.device(device):
-        model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)
-    return model.to(dtype).train()
+from .shapes import llama
 
 
 def _step(model: torch.nn.Module, x: torch.Tensor, ctx: Callable[[], Any]) -> Any:
@@ -45,7 +33,7 @@ def _step(model: torch.nn.Module, x: torch.Tensor, ctx: Callable[[], Any]) -> An
 
 
 def gpu(*, layers: int, d: int, batch: int, seq: int, rounds: int, min_bytes: int) -> dict[str, Any]:
-    model = _llama(layers, d, 32000, "cuda")
+    model = llama(layers, d, 32000, "cuda")
     x = torch.randint(1, 32000, (batch, seq + 1), device="cuda")
     ours = offload_activations(min_bytes=min_bytes)
     ways: dict[str, Callable[[], Any]] = {
@@ -84,7 +72,7 @@ def gpu(*, layers: int, d: int, batch: int, seq: int, rounds: int, min_bytes: in
 
 def simulated(*, rounds: int, min_bytes: int) -> dict[str, Any]:
     with testing.simulated_device(max_delay_s=0.0, lazy=False):
-        model = _llama(4, 256, 2048, "cpu", torch.float32)  # fp32: the CPU's bf16 matmuls are slow
+        model = llama(4, 256, 2048, "cpu", torch.float32)  # fp32: the CPU's bf16 matmuls are slow
         x = torch.randint(1, 2048, (4, 257))
         ao = offload_activations(min_bytes=min_bytes)
         _step(model, x, lambda: ao)

@@ -33,19 +33,7 @@ import torch
 from .. import testing
 from ..optim.optimizer import AdamW
 from ..weights.offload import offload_weights
-
-
-def _llama(layers: int, d: int, vocab: int, device: str) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        num_hidden_layers=layers, hidden_size=d, intermediate_size=int(2.75 * d) // 64 * 64, num_attention_heads=max(1, d // 128),
-        num_key_value_heads=max(1, d // 512), vocab_size=vocab, max_position_embeddings=4096,
-    )  # fmt: skip
-    with torch.device(device):
-        model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)
-    return model.to(torch.bfloat16)
+from .shapes import llama
 
 
 def _sync(cuda: bool) -> None:
@@ -118,7 +106,7 @@ def _h2d_bandwidth() -> float:
 
 def _measure(*, layers: int, d: int, vocab: int, batch: int, seq: int, rounds: int, prefetch: int, cuda: bool) -> dict[str, Any]:
     dev = "cuda" if cuda else "cpu"
-    base = _llama(layers, d, vocab, "cpu")
+    base = llama(layers, d, vocab, "cpu")
     n_params = sum(p.numel() for p in base.parameters())
     cases: list[_Case] = []
     m = copy.deepcopy(base)

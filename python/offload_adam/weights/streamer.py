@@ -456,24 +456,23 @@ class Streamer:
             torch.autograd.Variable._execution_engine.queue_callback(done)  # type: ignore[attr-defined]
         if b in self.open:
             return
+        self._close_open()
+        self._acquire(b)
+        self.open.add(b)
+
+    def _close_open(self) -> None:
+        """The blocks a backward activated are done (it moved on, or ended)."""
         for c in list(self.open):
             self.open.discard(c)
             if self.active.get(c, 0) == 1:
                 self._release(c)
             elif c in self.active:
                 self.active[c] -= 1
-        self._acquire(b)
-        self.open.add(b)
 
     def _end_backward(self) -> None:
         if not self.backward:
             return
-        for c in list(self.open):
-            self.open.discard(c)
-            if self.active.get(c, 0) == 1:
-                self._release(c)
-            elif c in self.active:
-                self.active[c] -= 1
+        self._close_open()
         self.backward = False
         self._end_cycle()
 

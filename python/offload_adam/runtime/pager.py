@@ -21,7 +21,11 @@ by the paged part is therefore bounded by the window:
 * ``write_behind`` pages being written back.
 
 Pages that fit in ``host_budget_bytes`` (the first ones added) stay in RAM and are never
-written. Each page of each buffer carries a CRC-32C, verified on every read. A read error leaves
+written. Each page of each buffer carries a CRC-32C, verified on every read. The CRCs are
+computed off the caller's thread, by a pool of two threads (the Rust CRC releases the GIL): a
+write is queued at once and its CRC computed beside it (the page's memory does not change until
+its write has completed); a read is waited for and checked there too, so that a page read ahead
+is verified while the caller works on the previous one. A read error leaves
 the page not resident (raised from ``make_resident``), a write error keeps the page in RAM
 (dirty) and is raised at the next ``make_resident`` or ``end_step``, the write retried at the
 next release.
@@ -40,6 +44,7 @@ import time
 import uuid
 import weakref
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,8 +198,9 @@ class Page:
     written: dict[str, int] = field(default_factory=dict)  # key -> CRC-32C of what is on disk
     refs: int = 0
     dirty: bool = False
-    reading: Any = None  # IoTicket
+    reading: Any = None  # Future of the read's wait and check (see Pager._verify)
     writing: Any = None  # IoTicket
+    crcs: dict[str, Future[int]] = field(default_factory=dict)  # CRCs of the write in flight
     copies_done: Callable[[], None] | None = None
     resident: bool = False  # its memory holds its contents
 
@@ -204,6 +210,13 @@ class Page:
 
 def _nothing() -> None:
     pass
+
+
+def _verify(ticket: Any, checks: list[tuple[str, Tensor, int]]) -> list[str]:
+    """On the CRC pool: waits a read, returns the keys whose CRC does not match what was
+    written (an I/O error raises from here, to the caller's ``result()``)."""
+    ticket.wait()
+    return [key for key, view, crc in checks if _native.crc32c(view) != crc]
 
 
 class Pager:
@@ -233,6 +246,7 @@ class Pager:
         self.writes: deque[Page] = deque()
         self.error: BaseException | None = None
         self.stats = {"read_bytes": 0.0, "write_bytes": 0.0, "io_wait_s": 0.0}
+        self._crc = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload_adam-crc")
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -288,30 +302,31 @@ class Pager:
         if p.writing is not None:  # its memory still holds the contents: keep it
             self._finish_write(p, keep=True)
             return
-        reqs = []
+        reqs, checks = [], []
         for key, buf in p.family.buffers.items():
             if key in p.written:
                 fid, _ = self._file(p.family, key)
-                reqs.append((False, fid, buf[p.start : p.end], p.start * buf.element_size()))
+                view = buf[p.start : p.end]
+                reqs.append((False, fid, view, p.start * buf.element_size()))
+                checks.append((key, view, p.written[key]))
         if reqs:
-            p.reading = self.io.submit(reqs)
+            p.reading = self._crc.submit(_verify, self.io.submit(reqs), checks)
             self.stats["read_bytes"] += sum(r[2].numel() * r[2].element_size() for r in reqs)
 
     def _finish_read(self, p: Page) -> None:
         t0 = time.perf_counter()
         try:
+            bad: list[str] = []
             if p.reading is not None:
-                t, p.reading = p.reading, None
+                f, p.reading = p.reading, None
                 try:
-                    t.wait()
+                    bad = f.result()
                 except OSError as e:
                     raise OSError(e.errno, f"offload_adam: reading {p.label}: {e.strerror}") from None
             for key, buf in p.family.buffers.items():
-                view = buf[p.start : p.end]
-                crc = p.written.get(key)
-                if crc is None:
-                    view.zero_()  # never written: fresh contents (or a buffer added later) are zeros
-                elif _native.crc32c(view) != crc:
+                if key not in p.written:
+                    buf[p.start : p.end].zero_()  # never written: fresh contents (or a buffer added later) are zeros
+                elif key in bad:
                     path = self._file(p.family, key)[1]
                     raise OSError(
                         errno.EIO, f"offload_adam: {path}: {p.label} is corrupted (checksum mismatch){self.corrupt_hint}"
@@ -329,6 +344,7 @@ class Pager:
         t0 = time.perf_counter()
         try:
             t.wait()
+            p.written = {k: f.result() for k, f in p.crcs.items()}
         except OSError as e:
             p.dirty = True  # still in RAM: written again at the end of the step or the next release
             p.written = {}
@@ -336,6 +352,7 @@ class Pager:
                 self.error = OSError(e.errno, f"offload_adam: writing {p.label}: {e.strerror}")
             return
         finally:
+            p.crcs = {}
             self.stats["io_wait_s"] += time.perf_counter() - t0
             with contextlib.suppress(ValueError):
                 self.writes.remove(p)
@@ -352,14 +369,15 @@ class Pager:
         p.resident = False
 
     def _write(self, p: Page) -> None:
+        """Queues a page's write, and its CRCs beside it (known once the write has completed:
+        until then the page's memory is not written, and not given back)."""
         reqs = []
-        crcs = {}
         for key, buf in p.family.buffers.items():
             view = buf[p.start : p.end]
-            crcs[key] = _native.crc32c(view)
             reqs.append((True, self._file(p.family, key)[0], view, p.start * buf.element_size()))
         p.writing = self.io.submit(reqs)
-        p.written = crcs
+        p.crcs = {key: self._crc.submit(_native.crc32c, view) for (_, _, view, _), key in zip(reqs, p.family.buffers)}
+        p.written = {}
         p.dirty = False
         self.stats["write_bytes"] += sum(r[2].numel() * r[2].element_size() for r in reqs)
         self.writes.append(p)
@@ -430,9 +448,11 @@ class Pager:
 
     def close(self) -> None:
         """Waits for the transfers in flight; the run directory is the owner's to close."""
-        with contextlib.suppress(Exception):
-            for p in self.pages:
+        for p in self.pages:
+            with contextlib.suppress(Exception):
                 if p.reading is not None:
-                    p.reading.wait()
+                    p.reading.result()
+            with contextlib.suppress(Exception):
                 if p.writing is not None:
                     p.writing.wait()
+        self._crc.shutdown(wait=True)

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -126,6 +126,8 @@ class _Item:
     dev: Tensor | None = None  # its bytes back on the device (uint8), until unpacked
     h2d_event: Any = None
     freed: bool = False
+    prev: _Item | None = None  # the storage saved just before it and still alive
+    next: _Item | None = None
 
 
 @dataclass(eq=False)
@@ -173,7 +175,8 @@ class ActivationOffload:
         self.files: list[int] = []
         self.disk = FreeList(self._segment, ALIGN)
         self.lock = threading.RLock()
-        self.items: list[_Item] = []  # saved and alive, in the order saved
+        self.items: dict[int, _Item] = {}  # saved and alive, in the order saved (by id)
+        self.last: _Item | None = None  # the last one saved (the tail of the prev/next chain)
         self.by_ptr: dict[int, _Item] = {}
         self.writes: list[_Item] = []  # NVMe: regions to write once their d2h copy has run
         self.free_event: Any = None  # the h2d copies that read a region before its release
@@ -275,7 +278,11 @@ class ActivationOffload:
         ev = dev.record(dev.d2h)
         dev.keep_until_done(src, dev.d2h)  # the device storage stays until its copy has run
         item = _Item(st.data_ptr(), nbytes, ev, weakref.ref(t), host=host, where=where)
-        self.items.append(item)
+        self.items[id(item)] = item
+        item.prev = self.last
+        if self.last is not None:
+            self.last.next = item
+        self.last = item
         self.stats.offloaded_bytes += nbytes
         self.stats.d2h_bytes += nbytes
         self.stats.offloaded_tensors += 1
@@ -297,7 +304,14 @@ class ActivationOffload:
                 return
             item.freed = True
             item.dev = None
-            self.items.remove(item)
+            del self.items[id(item)]
+            if item.prev is not None:
+                item.prev.next = item.next
+            if item.next is not None:
+                item.next.prev = item.prev
+            if self.last is item:
+                self.last = item.prev
+            item.prev = item.next = None
             if self.by_ptr.get(item.ptr) is item:
                 del self.by_ptr[item.ptr]
             if item.writing is not None:
@@ -343,7 +357,7 @@ class ActivationOffload:
             region = torch.empty(0, dtype=torch.uint8).set_(item.host.untyped_storage(), item.host.storage_offset(), (n,), (1,))
             item.writing = self.run.io.submit([(True, self.files[seg], region, off)])
             self.stats.write_bytes += n
-        for item in self.items:
+        for item in self.items.values():
             if item.writing is not None and (all_of_them or item.writing.done()):
                 self._wait(item.writing)
                 item.writing = None
@@ -404,12 +418,14 @@ class ActivationOffload:
             if item.unpacked % item.refs == 0:
                 item.dev = None  # each saved tensor had it: a second backward loads it again
             # What the backward needs next: the storages saved just before this one.
-            k = self.items.index(item) if item in self.items else -1
-            for j in range(k - 1, max(-1, k - 1 - self.prefetch), -1):
-                nxt = self.items[j]
-                if nxt.dev is None and not nxt.freed and nxt.unpacked < nxt.refs:
+            nxt = item.prev
+            for _ in range(self.prefetch):
+                if nxt is None:
+                    break
+                if nxt.dev is None and nxt.unpacked < nxt.refs:
                     self._load(nxt)
                     self.stats.prefetched += 1
+                nxt = nxt.prev
         e0 = dev.record_current(timing=True)
         dev.current_waits(event)
         self.stats.stalls.append((e0, dev.record_current(timing=True)))
@@ -427,14 +443,10 @@ class ActivationOffload:
         (the pool), ``gpu_peak_bytes`` (device memory of storages brought back, the most at
         once); with NVMe ``write_bytes``, ``read_bytes``, ``io_wait_s``."""
         st = self.stats
-        stall = sum(self.device.elapsed(e0, e1) or 0.0 for e0, e1 in st.stalls)
-        return {
-            "offloaded_bytes": st.offloaded_bytes, "kept_bytes": st.kept_bytes, "d2h_bytes": st.d2h_bytes,
-            "h2d_bytes": st.h2d_bytes, "stall_s": stall, "offloaded_tensors": st.offloaded_tensors,
-            "kept_tensors": st.kept_tensors, "deduplicated_tensors": st.deduplicated_tensors, "loads": st.loads,
-            "prefetched": st.prefetched, "host_pinned_bytes": self.pool.nbytes, "gpu_peak_bytes": self.meter.peak,
-            "storage": self.storage, "write_bytes": st.write_bytes, "read_bytes": st.read_bytes, "io_wait_s": st.io_wait_s,
-        }  # fmt: skip
+        out: dict[str, Any] = {f.name: getattr(st, f.name) for f in fields(st) if f.name != "stalls"}
+        out["stall_s"] = sum(self.device.elapsed(e0, e1) or 0.0 for e0, e1 in st.stalls)
+        out.update(host_pinned_bytes=self.pool.nbytes, gpu_peak_bytes=self.meter.peak, storage=self.storage)
+        return out
 
     def reset_stats(self) -> None:
         self.stats = _Stats()

@@ -180,6 +180,7 @@ class GroupState:
         if not self.streamed:
             self.stand_ins = [stand_in(p, name) for p, name in zip(params, names)]
             self.stand_versions = [p._version for p in params]
+        self.stand_slots = [i for i, d in enumerate(self.stand_ins) if d is not None]  # the step visits only these
         lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align)
         self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
         alloc: Callable[[int, torch.dtype], Tensor] = (
@@ -268,17 +269,14 @@ class GroupState:
         """Before a step: each stand-in takes its parameter's value if the parameter was written
         since (a load into the model) and its gradient (contiguous, as AccumulateGrad makes
         the gradient of a parameter that is not dense). Returns the slots bound."""
-        bound = []
-        for i, d in enumerate(self.stand_ins):
-            if d is None:
-                continue
-            p = self.params[i]
+        for i in self.stand_slots:
+            d, p = self.stand_ins[i], self.params[i]
+            assert d is not None
             if p._version != self.stand_versions[i]:
                 d.copy_(p)
             g = p.grad
             d.grad = None if g is None else g if g.is_contiguous() else g.contiguous()
-            bound.append(i)
-        return bound
+        return self.stand_slots
 
     def unbind_stand_ins(self, bound: list[int]) -> None:
         """After a step (also a failed one: a slot is updated whole or not at all): the weights

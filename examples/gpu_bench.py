@@ -188,13 +188,15 @@ def run(args: argparse.Namespace) -> None:
     try:
         from torchao.optim import CPUOffloadOptimizer
 
+        if not torch.cuda.is_available():  # it moves the model's CUDA parameters: nothing to offload here
+            raise ImportError("no CUDA device")
         runs.append(("torchao CPUOffloadOptimizer", lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, fused=True, **kw)))
         runs.append((
             "torchao CPUOffloadOptimizer offload_gradients",
             lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True, **kw),
         ))
-    except ImportError:
-        print("torchao is not importable: its CPUOffloadOptimizer is not measured")
+    except ImportError as e:
+        print(f"torchao's CPUOffloadOptimizer is not measured: {e}")
     results = {}
     for name, make in runs:
         try:

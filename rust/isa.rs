@@ -155,6 +155,22 @@ pub unsafe trait Isa: Copy + Send + Sync + 'static {
     unsafe fn f16_store(x: &Block) -> [u16; LANES] {
         x.map(f32_to_f16)
     }
+    /// `table[idx[i]]` in each lane (the 8-bit moments' lookups).
+    ///
+    /// # Safety
+    /// The CPU supports the path; every index is in bounds (not checked: a gather instruction).
+    #[inline(always)]
+    unsafe fn gather_f32(table: &[f32], idx: &[u32; LANES]) -> Block {
+        idx.map(|i| unsafe { *table.get_unchecked(i as usize) })
+    }
+    /// `table[idx[i]]` in each lane.
+    ///
+    /// # Safety
+    /// The CPU supports the path; every index is in bounds (not checked: a gather instruction).
+    #[inline(always)]
+    unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
+        idx.map(|i| unsafe { *table.get_unchecked(i as usize) })
+    }
 }
 
 /// Portable code, vectorized for whatever the compilation target has (NEON on aarch64).
@@ -178,8 +194,24 @@ mod x86 {
     #[derive(Clone, Copy)]
     pub struct Avx512Bf16;
 
-    // SAFETY (all three impls): the intrinsics need F16C (and AVX-512 F / BF16 for the 512-bit
-    // ones); the trait contract says these run only where the path's features were detected.
+    /// Two AVX2 gathers of 8 lanes each.
+    ///
+    /// # Safety
+    /// AVX2; every `base + idx[i] * SCALE` is readable for 4 bytes.
+    #[inline(always)]
+    unsafe fn gather2<const SCALE: i32>(base: *const u8, idx: &[u32; LANES]) -> [__m256i; 2] {
+        unsafe {
+            let ix: [__m256i; 2] = std::mem::transmute(*idx);
+            [
+                _mm256_i32gather_epi32::<SCALE>(base as *const i32, ix[0]),
+                _mm256_i32gather_epi32::<SCALE>(base as *const i32, ix[1]),
+            ]
+        }
+    }
+
+    // SAFETY (all three impls): the intrinsics need F16C and AVX2 (and AVX-512 F / BF16 for the
+    // 512-bit ones); the trait contract says these run only where the path's features were
+    // detected. The gathers read where the callers' contracts (indices in bounds) allow.
     // The transmutes are between same-sized plain-old-data types ([u16; 16] = 32 bytes = __m256i,
     // [f32; 16] = 64 bytes = two __m256 or one __m512), valid for every bit pattern.
     unsafe impl Isa for Avx2 {
@@ -187,6 +219,14 @@ mod x86 {
         fn prefetch(p: *const u8) {
             // SAFETY: a prefetch is a hint: it never faults, whatever the address.
             unsafe { _mm_prefetch::<_MM_HINT_T0>(p as *const i8) }
+        }
+        #[inline(always)]
+        unsafe fn gather_f32(table: &[f32], idx: &[u32; LANES]) -> Block {
+            unsafe { std::mem::transmute(gather2::<4>(table.as_ptr() as *const u8, idx)) }
+        }
+        #[inline(always)]
+        unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
+            unsafe { std::mem::transmute(gather2::<4>(table.as_ptr() as *const u8, idx)) }
         }
         #[inline(always)]
         unsafe fn f16_load(src: &[u16; LANES]) -> Block {
@@ -213,6 +253,14 @@ mod x86 {
             Avx2::prefetch(p)
         }
         #[inline(always)]
+        unsafe fn gather_f32(table: &[f32], idx: &[u32; LANES]) -> Block {
+            unsafe { Avx2::gather_f32(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
+            unsafe { Avx2::gather_u32(table, idx) }
+        }
+        #[inline(always)]
         unsafe fn f16_load(src: &[u16; LANES]) -> Block {
             unsafe { std::mem::transmute(_mm512_cvtph_ps(std::mem::transmute::<[u16; LANES], __m256i>(*src))) }
         }
@@ -231,6 +279,14 @@ mod x86 {
         #[inline(always)]
         fn prefetch(p: *const u8) {
             Avx2::prefetch(p)
+        }
+        #[inline(always)]
+        unsafe fn gather_f32(table: &[f32], idx: &[u32; LANES]) -> Block {
+            unsafe { Avx2::gather_f32(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
+            unsafe { Avx2::gather_u32(table, idx) }
         }
         #[inline(always)]
         unsafe fn f16_load(src: &[u16; LANES]) -> Block {

@@ -13,6 +13,7 @@ from .optim.ddp import register_ddp_hook
 from .runtime.pager import remove_stale_runs, stale_runs
 from .weights import WeightOffload, offload_weights
 from .optim.optimizer import Adam, AdamW
+from .optim.schema import dequantized
 
 try:
     __version__ = version("offload-adam")
@@ -30,4 +31,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["ActivationOffload", "Adam", "AdamW", "WeightOffload", "offload_activations", "offload_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]
+__all__ = ["ActivationOffload", "Adam", "AdamW", "WeightOffload", "dequantized", "offload_activations", "offload_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]

@@ -8,6 +8,8 @@ from torch import Tensor
 __all__ = [
     "CHUNK",
     "LANES",
+    "QBLOCK",
+    "Q8_MIN_NUMEL",
     "IoEngine",
     "IoTicket",
     "StateSet",
@@ -21,10 +23,15 @@ __all__ = [
     "io_backend",
     "simd_path",
     "simd_paths",
+    "quantize",
+    "dequantize",
+    "qmap",
 ]
 
 CHUNK: int
 LANES: int
+QBLOCK: int
+Q8_MIN_NUMEL: int
 
 @final
 class StateSet:
@@ -45,6 +52,7 @@ class StateSet:
         params: Sequence[Tensor | None] | None = None,
         landing: Sequence[Tensor | None] | None = None,
         landing_slots: Sequence[tuple[int, int]] | None = None,
+        moments: Sequence[tuple[int, bool]] | None = None,
     ) -> StateSet: ...
     def set_max_exp_avg_sq(self, buf: Tensor) -> None: ...
     @property
@@ -93,6 +101,9 @@ def grad_sq_norm(tensors: Iterable[Any], *, num_threads: int = 1, simd: str | No
 def grads_nonfinite(tensors: Iterable[Any], *, num_threads: int = 1, simd: str | None = None) -> bool: ...
 def simd_path() -> str: ...
 def simd_paths() -> list[str]: ...
+def quantize(src: Tensor, codes: Tensor, absmax: Tensor, *, signed: bool) -> None: ...
+def dequantize(codes: Tensor, absmax: Tensor, out: Tensor, *, signed: bool) -> None: ...
+def qmap(*, signed: bool) -> list[float]: ...
 
 @final
 class IoTicket:

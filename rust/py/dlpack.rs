@@ -375,19 +375,14 @@ impl Import {
         Ok(())
     }
 
-    /// The whole buffer as mutable elements of its dtype (a float the kernel takes).
-    fn whole_mut(&mut self, name: &str) -> PyResult<HostMut<'_>> {
-        if self.dtype == DType::U8 {
-            return Err(PyTypeError::new_err(format!(
-                "{name}: dtype must be float32, bfloat16 or float16, got uint8"
-            )));
-        }
+    /// The whole buffer as mutable elements of its dtype.
+    fn whole_mut(&mut self, _name: &str) -> PyResult<HostMut<'_>> {
         if self.len == 0 {
             return Ok(match self.dtype {
                 DType::F32 => HostMut::F32(&mut []),
                 DType::Bf16 => HostMut::Bf16(&mut []),
                 DType::F16 => HostMut::F16(&mut []),
-                DType::U8 => unreachable!("refused above"),
+                DType::U8 => HostMut::U8(&mut []),
             });
         }
         // SAFETY: the producer keeps `len` elements of `dtype` alive at `ptr` until our deleter
@@ -401,7 +396,7 @@ impl Import {
                 DType::F32 => HostMut::F32(std::slice::from_raw_parts_mut(self.ptr as *mut f32, self.len)),
                 DType::Bf16 => HostMut::Bf16(std::slice::from_raw_parts_mut(self.ptr as *mut Bf16, self.len)),
                 DType::F16 => HostMut::F16(std::slice::from_raw_parts_mut(self.ptr as *mut F16, self.len)),
-                DType::U8 => unreachable!("refused above"),
+                DType::U8 => HostMut::U8(std::slice::from_raw_parts_mut(self.ptr, self.len)),
             }
         })
     }

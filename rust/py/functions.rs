@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use super::convert::{err, hyper, pool, simd_or_default};
 use super::dlpack::{carve_sets, DType, Import, Writable};
 use crate::isa::Simd;
-use crate::kernel::{self, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
+use crate::kernel::{self, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
 use crate::layout::overlaps;
 
 /// Imports read-only host tensors (the reductions' inputs).
@@ -37,12 +37,10 @@ fn with_grads<R>(tensors: &Bound<'_, PyAny>, f: impl FnOnce(&[GradRef<'_>]) -> R
         .unwrap_or_default()
         .into_iter()
         .take(n)
-        .map(|h| match h.expect("imported") {
-            HostMut::F32(s) => GradRef::F32(s),
-            HostMut::Bf16(s) => GradRef::Bf16(s),
-            HostMut::F16(s) => GradRef::F16(s),
-        })
-        .collect();
+        .enumerate()
+        .map(|(i, h)| h.expect("imported").into_grad(&format!("tensors[{i}]")))
+        .collect::<crate::error::Result<_>>()
+        .map_err(err)?;
     Ok(f(&refs))
 }
 
@@ -100,11 +98,7 @@ pub fn grad_accumulate(
     let mut w = Writable::new(vec![(Some(d), "dst".into()), (Some(s), "src".into())])?;
     let (mut carved, _) = carve_sets(vec![&mut w])?;
     let mut bufs = carved.pop().expect("one set");
-    let src = match bufs[1].take().expect("imported") {
-        HostMut::F32(x) => GradRef::F32(x),
-        HostMut::Bf16(x) => GradRef::Bf16(x),
-        HostMut::F16(x) => GradRef::F16(x),
-    };
+    let src = bufs[1].take().expect("imported").into_grad("src").map_err(err)?;
     let dst = bufs[0].take().expect("imported");
     py.detach(|| kernel::accumulate(pool.as_deref(), dst, src)).map_err(err)
 }
@@ -207,11 +201,14 @@ pub fn adam_update(
     let (mut carved, _) = carve_sets(vec![&mut w])?;
     let mut bufs = carved.pop().expect("one set");
     let (mut rc, _) = carve_sets(vec![&mut r])?;
-    let grad = match rc.pop().expect("one set").pop().flatten().expect("imported") {
-        HostMut::F32(x) => GradRef::F32(x),
-        HostMut::Bf16(x) => GradRef::Bf16(x),
-        HostMut::F16(x) => GradRef::F16(x),
-    };
+    let grad = rc
+        .pop()
+        .expect("one set")
+        .pop()
+        .flatten()
+        .expect("imported")
+        .into_grad("grad")
+        .map_err(err)?;
     fn state(b: Option<HostMut<'_>>) -> Option<StateMut<'_>> {
         match b {
             Some(HostMut::Bf16(s)) => Some(StateMut::Bf16(s)),
@@ -250,4 +247,100 @@ pub fn simd_path() -> PyResult<&'static str> {
 #[pyfunction]
 pub fn simd_paths() -> Vec<&'static str> {
     Simd::available().into_iter().map(|s| s.name()).collect()
+}
+
+/// The imports of a quantize/dequantize call: contiguous, of the given dtypes, not overlapping.
+fn codec_buffers(tensors: [(&Bound<'_, PyAny>, &str, DType); 3]) -> PyResult<Writable> {
+    let mut entries = Vec::with_capacity(3);
+    for (t, name, dtype) in tensors {
+        let imp = Import::new(t, name)?;
+        imp.require(dtype, name)?;
+        if !imp.contiguous {
+            return Err(PyValueError::new_err(format!("{name}: must be contiguous")));
+        }
+        entries.push((Some(imp), name.to_string()));
+    }
+    Writable::new(entries)
+}
+
+fn check_blocks(n: usize, codes: usize, absmax: usize) -> PyResult<()> {
+    if !n.is_multiple_of(q8::QBLOCK) || codes != n || absmax != n / q8::QBLOCK {
+        return Err(PyValueError::new_err(format!(
+            "codes and absmax: {n} elements need {n} codes and {} absmax values (whole blocks of {}), got {codes} and {absmax}",
+            n / q8::QBLOCK,
+            q8::QBLOCK
+        )));
+    }
+    Ok(())
+}
+
+fn map_of(signed: bool) -> &'static q8::Map {
+    if signed {
+        q8::signed()
+    } else {
+        q8::unsigned()
+    }
+}
+
+/// Block-quantizes float32 `src` (whole blocks of `QBLOCK` elements) into `codes` (uint8) and
+/// `absmax` (float32, one per block), as a step stores a moment: the signed map (`exp_avg`) or
+/// the unsigned one (`exp_avg_sq`, `max_exp_avg_sq`).
+#[pyfunction]
+#[pyo3(signature = (src, codes, absmax, *, signed))]
+pub fn quantize(
+    py: Python<'_>,
+    src: &Bound<'_, PyAny>,
+    codes: &Bound<'_, PyAny>,
+    absmax: &Bound<'_, PyAny>,
+    signed: bool,
+) -> PyResult<()> {
+    let mut w = codec_buffers([
+        (src, "src", DType::F32),
+        (codes, "codes", DType::U8),
+        (absmax, "absmax", DType::F32),
+    ])?;
+    let (mut carved, _) = carve_sets(vec![&mut w])?;
+    let mut b = carved.pop().expect("one set");
+    match (b[0].take(), b[1].take(), b[2].take()) {
+        (Some(HostMut::F32(x)), Some(HostMut::U8(c)), Some(HostMut::F32(s))) => {
+            check_blocks(x.len(), c.len(), s.len())?;
+            py.detach(|| q8::quantize(map_of(signed), x, c, s));
+            Ok(())
+        }
+        _ => unreachable!("dtypes checked"),
+    }
+}
+
+/// The float32 values of block-quantized `codes` and `absmax` into `out`.
+#[pyfunction]
+#[pyo3(signature = (codes, absmax, out, *, signed))]
+pub fn dequantize(
+    py: Python<'_>,
+    codes: &Bound<'_, PyAny>,
+    absmax: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    signed: bool,
+) -> PyResult<()> {
+    let mut w = codec_buffers([
+        (codes, "codes", DType::U8),
+        (absmax, "absmax", DType::F32),
+        (out, "out", DType::F32),
+    ])?;
+    let (mut carved, _) = carve_sets(vec![&mut w])?;
+    let mut b = carved.pop().expect("one set");
+    match (b[0].take(), b[1].take(), b[2].take()) {
+        (Some(HostMut::U8(c)), Some(HostMut::F32(s)), Some(HostMut::F32(x))) => {
+            check_blocks(x.len(), c.len(), s.len())?;
+            py.detach(|| q8::dequantize(map_of(signed), c, s, x));
+            Ok(())
+        }
+        _ => unreachable!("dtypes checked"),
+    }
+}
+
+/// The 256 values of the signed or unsigned 8-bit map, increasing.
+#[pyfunction]
+#[pyo3(signature = (*, signed))]
+pub fn qmap(signed: bool) -> Vec<f32> {
+    map_of(signed).q.to_vec()
 }

@@ -22,6 +22,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(functions::grad_sq_norm, m)?)?;
     m.add_function(wrap_pyfunction!(functions::grads_nonfinite, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_path, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(functions::qmap, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_paths, m)?)?;
     m.add_class::<io::IoEngine>()?;
     m.add_class::<io::IoTicket>()?;
@@ -30,5 +33,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(io::discard_memory, m)?)?;
     m.add("CHUNK", crate::kernel::CHUNK)?;
     m.add("LANES", crate::isa::LANES)?;
+    m.add("QBLOCK", crate::kernel::q8::QBLOCK)?;
+    m.add("Q8_MIN_NUMEL", crate::kernel::q8::MIN_NUMEL)?;
     Ok(())
 }

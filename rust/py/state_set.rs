@@ -17,7 +17,7 @@ use pyo3::prelude::*;
 
 use super::convert::{err, hyper, pool, simd_or_default, HyperTuple};
 use super::dlpack::{carve_sets, data_ptr, torch, CheckedGrad, DType, GradCache, GradSpec, Import, Writable};
-use crate::kernel::{self, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
+use crate::kernel::{self, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
 use crate::layout::{carve, check_disjoint, Layout, Slot, KINDS};
 
 // Where each buffer sits in a set's `Writable`.
@@ -58,6 +58,9 @@ struct Inner {
     /// Gradients read from the parameters' `.grad`, or (None) from the landing buffers.
     grads: Option<GradCache>,
     state_dtype: DType,
+    /// Moments in uint8 buffers: per slot, its first byte in each moment buffer and whether it
+    /// is quantized (codes, then one float32 absmax per block) or float32.
+    moments: Option<Vec<(usize, bool)>>,
 }
 
 /// The host state of one param group (see the module documentation).
@@ -124,11 +127,77 @@ fn import_param(p: &Bound<'_, PyAny>, name: &str) -> PyResult<(Param, Import)> {
     Ok((param, imp))
 }
 
-impl Inner {
-    fn state_len(&self) -> usize {
-        self.bufs.get(EXP_AVG).map_or(0, |b| b.len)
+/// Bytes of a slot of `n` elements in a uint8 moment buffer.
+fn moment_bytes(n: usize, quantized: bool) -> usize {
+    if quantized {
+        n + 4 * (n / q8::QBLOCK)
+    } else {
+        4 * n
     }
+}
 
+/// The uint8 moments' slots: quantized ones in whole blocks, each on a 4-byte boundary, inside
+/// the buffers, none overlapping.
+fn check_moments(m: &[(usize, bool)], lens: &[usize], names: &[String], total: usize) -> PyResult<()> {
+    if m.len() != lens.len() {
+        return Err(PyValueError::new_err("moments: one (offset, quantized) per slot"));
+    }
+    let mut ranges = Vec::with_capacity(m.len());
+    for (i, (&(off, q), &n)) in m.iter().zip(lens).enumerate() {
+        let name = &names[i];
+        if q && !n.is_multiple_of(q8::QBLOCK) {
+            return Err(PyValueError::new_err(format!(
+                "{name}: a quantized moment needs whole blocks of {} elements, it has {n}",
+                q8::QBLOCK
+            )));
+        }
+        if off % 4 != 0 {
+            return Err(PyValueError::new_err(format!(
+                "{name}: moment offset {off} is not a multiple of 4 bytes"
+            )));
+        }
+        let end = off.checked_add(moment_bytes(n, q)).filter(|&e| e <= total);
+        let Some(end) = end else {
+            return Err(PyValueError::new_err(format!(
+                "{name}: its moments end past the {total}-byte buffers"
+            )));
+        };
+        ranges.push((off, end, name.clone()));
+    }
+    check_disjoint(ranges).map_err(err)?;
+    Ok(())
+}
+
+/// Carves the uint8 moment buffer `b` into the slots `items` (first byte, elements, quantized).
+fn carve_moments<'a>(
+    b: Option<HostMut<'a>>,
+    items: &[(usize, usize, bool)],
+    what: &str,
+) -> PyResult<Vec<StateMut<'a>>> {
+    let Some(HostMut::U8(s)) = b else {
+        return Err(PyRuntimeError::new_err(format!("{what}: missing")));
+    };
+    let ranges: Vec<(usize, usize)> = items.iter().map(|&(off, n, q)| (off, moment_bytes(n, q))).collect();
+    let misaligned = |_| PyValueError::new_err(format!("{what}: a slot is not on a 4-byte boundary"));
+    carve(s, &ranges)
+        .map_err(err)?
+        .into_iter()
+        .zip(items)
+        .map(|(piece, &(_, n, q))| {
+            Ok(if q {
+                let (codes, rest) = piece.split_at_mut(n);
+                StateMut::Q8 {
+                    codes,
+                    absmax: bytemuck::try_cast_slice_mut(rest).map_err(misaligned)?,
+                }
+            } else {
+                StateMut::F32(bytemuck::try_cast_slice_mut(piece).map_err(misaligned)?)
+            })
+        })
+        .collect()
+}
+
+impl Inner {
     /// Re-binds parameter `i` if its storage was replaced since it was imported (`p.data = t`,
     /// `module.to_empty()` with swapped parameters): the new storage is imported, the old one is
     /// let go without a write. A new shape or dtype is an error, raised before anything changes.
@@ -186,8 +255,12 @@ impl StateSet {
     /// without, from the parameters' `.grad`. A bfloat16/float16 slot written into `master`
     /// gets its low-precision copy in its landing slot, over the gradient it came in.
     #[new]
+    ///
+    /// Moments in uint8 buffers need `moments`: per slot, its first byte in each moment buffer
+    /// and whether it is block-quantized (`n` codes then `n / 256` float32 absmax values) or
+    /// float32 (`4 n` bytes); `state_offsets` then place the slots in `master` only.
     #[pyo3(signature = (lens, state_offsets, names, exp_avg, exp_avg_sq, steps, master=None, max_exp_avg_sq=None,
-        *, params=None, landing=None, landing_slots=None))]
+        *, params=None, landing=None, landing_slots=None, moments=None))]
     fn new(
         lens: Vec<usize>,
         state_offsets: Vec<usize>,
@@ -200,6 +273,7 @@ impl StateSet {
         params: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing_slots: Option<Vec<(usize, usize)>>,
+        moments: Option<Vec<(usize, bool)>>,
     ) -> PyResult<StateSet> {
         let n = lens.len();
         if state_offsets.len() != n || names.len() != n {
@@ -210,16 +284,22 @@ impl StateSet {
         let exp_avg = Import::new(exp_avg, "exp_avg buffer")?;
         let exp_avg_sq = Import::new(exp_avg_sq, "exp_avg_sq buffer")?;
         let state_dtype = exp_avg.dtype;
-        if !matches!(state_dtype, DType::F32 | DType::Bf16) {
+        if !matches!(state_dtype, DType::F32 | DType::Bf16 | DType::U8) {
             return Err(PyTypeError::new_err(
-                "exp_avg buffer: state dtype must be float32 or bfloat16",
+                "exp_avg buffer: state dtype must be float32, bfloat16 or uint8",
             ));
         }
         exp_avg_sq.require(state_dtype, "exp_avg_sq buffer")?;
-        let state_len = exp_avg.len;
-        if exp_avg_sq.len != state_len {
+        if exp_avg_sq.len != exp_avg.len {
             return Err(PyValueError::new_err("exp_avg and exp_avg_sq buffers differ in length"));
         }
+        match (&moments, state_dtype) {
+            (Some(m), DType::U8) => check_moments(m, &lens, &names, exp_avg.len)?,
+            (None, DType::U8) => return Err(PyValueError::new_err("moments: uint8 moment buffers need their slots")),
+            (Some(_), _) => return Err(PyValueError::new_err("moments: only for uint8 moment buffers")),
+            (None, _) => {}
+        }
+
         let steps = Import::new(steps, "steps buffer")?;
         steps.require(DType::F32, "steps buffer")?;
         if steps.len != n {
@@ -229,9 +309,15 @@ impl StateSet {
             )));
         }
         let master = master.map(|m| Import::new(m, "master buffer")).transpose()?;
+        // Where `state_offsets` point: the moments and masters, or (uint8 moments) the masters.
+        let state_len = match (&moments, &master) {
+            (None, _) => exp_avg.len,
+            (Some(_), Some(m)) => m.len,
+            (Some(_), None) => usize::MAX,
+        };
         if let Some(m) = &master {
             m.require(DType::F32, "master buffer")?;
-            if m.len != state_len {
+            if moments.is_none() && m.len != state_len {
                 return Err(PyValueError::new_err("master buffer: length differs from exp_avg"));
             }
         }
@@ -343,6 +429,7 @@ impl StateSet {
             grads: (!from_landing).then(|| GradCache::new(n)),
             params,
             state_dtype,
+            moments,
         };
         let set = StateSet {
             inner: Mutex::new(inner),
@@ -384,7 +471,7 @@ impl StateSet {
         let mut inner = self.lock()?;
         let x = Import::new(buf, "max_exp_avg_sq buffer")?;
         x.require(inner.state_dtype, "max_exp_avg_sq buffer")?;
-        if x.len != inner.state_len() {
+        if x.len != inner.bufs.get(EXP_AVG).map_or(0, |b| b.len) {
             return Err(PyValueError::new_err(
                 "max_exp_avg_sq buffer: length differs from exp_avg",
             ));
@@ -441,7 +528,9 @@ fn carve_state<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)], what: &str
     Ok(match b {
         Some(HostMut::F32(s)) => carve(s, ranges).map_err(err)?.into_iter().map(StateMut::F32).collect(),
         Some(HostMut::Bf16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(StateMut::Bf16).collect(),
-        Some(HostMut::F16(_)) | None => return Err(PyRuntimeError::new_err(format!("{what}: missing"))),
+        Some(HostMut::F16(_) | HostMut::U8(_)) | None => {
+            return Err(PyRuntimeError::new_err(format!("{what}: missing")))
+        }
     })
 }
 
@@ -457,21 +546,13 @@ fn carve_any<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)]) -> PyResult<
         Some(HostMut::F32(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::F32).collect(),
         Some(HostMut::Bf16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::Bf16).collect(),
         Some(HostMut::F16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::F16).collect(),
-        None => return Err(PyRuntimeError::new_err("landing buffer: missing")),
+        Some(HostMut::U8(_)) | None => return Err(PyRuntimeError::new_err("landing buffer: missing")),
     })
-}
-
-fn as_grad(h: HostMut<'_>) -> GradRef<'_> {
-    match h {
-        HostMut::F32(s) => GradRef::F32(s),
-        HostMut::Bf16(s) => GradRef::Bf16(s),
-        HostMut::F16(s) => GradRef::F16(s),
-    }
 }
 
 fn as_out(h: HostMut<'_>) -> OutMut<'_> {
     match h {
-        HostMut::F32(_) => OutMut::None,
+        HostMut::F32(_) | HostMut::U8(_) => OutMut::None,
         HostMut::Bf16(s) => OutMut::Bf16(s),
         HostMut::F16(s) => OutMut::F16(s),
     }
@@ -579,9 +660,10 @@ pub fn adam_step(
             names,
             bufs,
             params,
+            moments,
             ..
         } = &mut **g;
-        meta.push((&*layout, &*names, params.as_deref()));
+        meta.push((&*layout, &*names, params.as_deref(), moments.as_deref()));
         writables.push(bufs);
     }
     let (mut carved, written) = carve_sets(writables)?;
@@ -589,7 +671,7 @@ pub fn adam_step(
     let mut steps_of: Vec<&mut [f32]> = Vec::with_capacity(sets.len());
     let mut new_steps: Vec<Vec<f32>> = Vec::with_capacity(sets.len());
     for (si, bufs) in carved.iter_mut().enumerate() {
-        let (layout, names, params) = &meta[si];
+        let (layout, names, params, moments) = &meta[si];
         let sel = &picked[si];
         let h = &hs[si];
         let slots = layout.slots();
@@ -605,10 +687,23 @@ pub fn adam_step(
             }
         }
         let ranges: Vec<(usize, usize)> = sel.iter().map(|&i| (slots[i].state, slots[i].len)).collect();
-        let mut m = carve_state(bufs[EXP_AVG].take(), &ranges, "exp_avg")?.into_iter();
-        let mut v = carve_state(bufs[EXP_AVG_SQ].take(), &ranges, "exp_avg_sq")?.into_iter();
+        let items: Option<Vec<(usize, usize, bool)>> =
+            moments.map(|mo| sel.iter().map(|&i| (mo[i].0, slots[i].len, mo[i].1)).collect());
+        fn moment<'b>(
+            b: Option<HostMut<'b>>,
+            items: &Option<Vec<(usize, usize, bool)>>,
+            ranges: &[(usize, usize)],
+            what: &str,
+        ) -> PyResult<Vec<StateMut<'b>>> {
+            match items {
+                Some(items) => carve_moments(b, items, what),
+                None => carve_state(b, ranges, what),
+            }
+        }
+        let mut m = moment(bufs[EXP_AVG].take(), &items, &ranges, "exp_avg")?.into_iter();
+        let mut v = moment(bufs[EXP_AVG_SQ].take(), &items, &ranges, "exp_avg_sq")?.into_iter();
         let mut x = if h.amsgrad {
-            Some(carve_state(bufs[MAX_EXP_AVG_SQ].take(), &ranges, "max_exp_avg_sq")?.into_iter())
+            Some(moment(bufs[MAX_EXP_AVG_SQ].take(), &items, &ranges, "max_exp_avg_sq")?.into_iter())
         } else {
             None
         };
@@ -674,7 +769,7 @@ pub fn adam_step(
                     };
                     let grad = match (checked[si][j].take(), landing) {
                         (Some(c), _) => c.view(),
-                        (None, Some(l)) => as_grad(l),
+                        (None, Some(l)) => l.into_grad("landing buffer").map_err(err)?,
                         (None, None) => return Err(missing("gradient")),
                     };
                     (param, out, grad)
@@ -682,7 +777,7 @@ pub fn adam_step(
                 // Into the masters; a low-precision slot's copy goes over the gradient it came in.
                 None => match (master, landing) {
                     (Some(m), Some(l @ (HostMut::Bf16(_) | HostMut::F16(_)))) => (m, as_out(l), GradRef::InOut),
-                    (Some(m), Some(l)) => (m, OutMut::None, as_grad(l)),
+                    (Some(m), Some(l)) => (m, OutMut::None, l.into_grad("landing buffer").map_err(err)?),
                     (None, _) => return Err(missing("master slot")),
                     (_, None) => return Err(missing("gradient")),
                 },

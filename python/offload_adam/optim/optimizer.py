@@ -28,7 +28,8 @@ from .. import _native
 from . import checkpoint, ddp
 from .engine import Engine, Hyper
 from .tier import HostTier, NvmeTier, Tier
-from .state import STATE_KEYS, GroupState, is_dtensor, same_sharding
+from .schema import MASTER_KEY, MOMENT, STATE_DTYPES, check_moment, copy_moment, moments, write_moment
+from .state import GroupState, is_dtensor, same_sharding
 
 # The one reader of `_step_supports_amp_scaling` that gets True (every torch GradScaler, FSDP's
 # ShardedGradScaler included, inherits this step).
@@ -37,7 +38,6 @@ _GRAD_SCALER_STEP = torch.amp.GradScaler.step.__code__
 __all__ = ["Adam", "AdamW"]
 
 _PARAM_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.complex64)
-_STATE_DTYPES = (torch.float32, torch.bfloat16)
 _OFFLOAD_MODES = ("cpu", "nvme")
 log = logging.getLogger("offload_adam")
 
@@ -213,6 +213,10 @@ class _State(defaultdict):  # type: ignore[type-arg]
         return (dict, (dict(self),))
 
 
+# Every key the schema may put in an entry, in any codec.
+_SCHEMA_KEYS = frozenset({MASTER_KEY} | {m.key + s for m in moments(True) for s in ("", "_codes", "_absmax")})
+
+
 def _unaliased(entry: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, Any]:
     """``entry`` with every tensor that shares memory with one of ``ranges`` (our buffers)
     replaced by a copy, so that writing the buffers cannot change the source."""
@@ -249,8 +253,14 @@ class Adam(Optimizer):
     Keyword-only extras:
         num_threads: threads of the kernel's private pool (default: ``torch.get_num_threads()``).
             Results are bitwise identical for any value.
-        state_dtype: dtype of the moments, ``torch.float32`` (default) or ``torch.bfloat16``
-            (half the memory; the update is computed in fp32 and rounded to nearest even).
+        state_dtype: dtype of the moments, ``torch.float32`` (default), ``torch.bfloat16`` (half
+            the memory; the update is computed in fp32 and rounded to nearest even) or
+            ``torch.uint8``: 8-bit block-quantized moments as torchao's ``AdamW8bit`` defines them
+            (blocks of 256 with a float32 absmax, its signed and unsigned dynamic maps, its update
+            arithmetic; a quarter of fp32's bytes). Tensors torchao does not quantize (under 4096
+            elements, not whole blocks, complex) keep float32 moments. ``state[p]`` then holds
+            ``exp_avg_codes``/``exp_avg_absmax`` (and the same for ``exp_avg_sq`` and
+            ``max_exp_avg_sq``) instead of ``exp_avg``; see ``offload_adam.dequantized``.
         offload: where the optimizer state lives: ``"cpu"`` (host memory, the default). For CUDA
             parameters this means: state in pinned host memory, gradients streamed to the host
             during backward, weights streamed back after the CPU step (see the README).
@@ -310,8 +320,8 @@ class Adam(Optimizer):
             raise ValueError(f"fused must be None, False or True, got {fused!r}")
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        if state_dtype not in _STATE_DTYPES:
-            raise ValueError(f"state_dtype must be torch.float32 or torch.bfloat16, got {state_dtype}")
+        if state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got {state_dtype}")
         if offload not in _OFFLOAD_MODES:
             raise ValueError(f"offload must be one of {_OFFLOAD_MODES}, got {offload!r}")
         if num_threads is None:
@@ -521,7 +531,9 @@ class Adam(Optimizer):
                     for i, p in enumerate(state.keys):
                         entry = dict.get(self.state, p)
                         if entry:
-                            dict.__setitem__(entry, "max_exp_avg_sq", state.entry(i)["max_exp_avg_sq"])
+                            fresh = state.entry(i)
+                            for key in state.codecs[i].keys(MOMENT["max_exp_avg_sq"]):
+                                dict.__setitem__(entry, key, fresh[key])
         gs = grad_scale if isinstance(grad_scale, Tensor) or grad_scale is None else torch.tensor(float(grad_scale))
         # GradScaler gives an inf flag without a scale when unscale_(self) ran before its step:
         # the device gradients were divided in place (by a kernel that does not bump their
@@ -620,66 +632,72 @@ class Adam(Optimizer):
 
     def _check_entry(self, gi: int, i: int, v: Any, amsgrad: bool) -> float:
         """Checks a state entry for parameter ``i`` of group ``gi`` (from a checkpoint, or written
-        into ``state`` by other code); returns its step count."""
+        into ``state`` by other code) against the schema; returns its step count."""
         g = self._engine.groups[gi]
         assert g is not None
         p = g.params[i]
         name = g.names[i]
         if not isinstance(v, dict):
             raise TypeError(f"loaded state of {name}: expected a dict, got {type(v).__name__}")
-        for key in ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else []):
-            if key not in v:
-                raise ValueError(f"loaded state of {name}: missing key {key!r}")
-        for key in STATE_KEYS:
-            t = v.get(key)
-            if t is None:
-                continue
+        if "step" not in v:
+            raise ValueError(f"loaded state of {name}: missing key 'step'")
+        local = self._localizer(g.keys[i], name)
+        for m in moments(True):
+            if check_moment(v, m, p, name, local) is None and (amsgrad or not m.amsgrad):
+                raise ValueError(f"loaded state of {name}: missing key {m.key!r} (or {m.key + '_codes'!r} and {m.key + '_absmax'!r})")
+        t = v.get(MASTER_KEY)
+        if t is not None:
             if not isinstance(t, Tensor):
-                raise TypeError(f"loaded state of {name}: {key} must be a tensor, got {type(t).__name__}")
-            t = _local(t, g.keys[i], f"loaded state of {name}: {key}")
+                raise TypeError(f"loaded state of {name}: {MASTER_KEY} must be a tensor, got {type(t).__name__}")
+            t = local(t, MASTER_KEY)
             if t.shape != p.shape:
-                raise ValueError(f"loaded state of {name}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                raise ValueError(f"loaded state of {name}: {MASTER_KEY} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
             if not (t.is_floating_point() or t.is_complex()) or t.is_complex() != p.is_complex():
-                raise TypeError(f"loaded state of {name}: {key} has dtype {t.dtype}, expected one like {p.dtype}")
+                raise TypeError(f"loaded state of {name}: {MASTER_KEY} has dtype {t.dtype}, expected one like {p.dtype}")
         step = v["step"]
         step_f = float(step.item() if isinstance(step, Tensor) else step)
         if not (math.isfinite(step_f) and step_f >= 0 and step_f == int(step_f)):
             raise ValueError(f"loaded state of {name}: step must be a whole number >= 0, got {step_f}")
         return step_f
 
+    @staticmethod
+    def _localizer(key: Tensor, name: str) -> Callable[[Any, str], Any]:
+        """A DTensor entry's local shard, checked against the parameter ``key``."""
+        return lambda t, what: _local(t, key, f"loaded state of {name}: {what}")
+
     def _write_entry(self, gi: int, i: int, v: dict[str, Any], step: float) -> None:
-        """Copies a checked entry into the slot's buffers and installs our views (keeping the
-        entry's other keys). The caller quiesced the engine and cloned sources that alias our
-        buffers."""
+        """Copies a checked entry into the slot's buffers, in the slot's codec (quantizing or
+        dequantizing moments), and installs our views (keeping the entry's other keys). The
+        caller quiesced the engine and cloned sources that alias our buffers."""
         g = self._engine.groups[gi]
         assert g is not None
         p = g.params[i]
         views = g.views(i)
         views["step"].fill_(step)
-        for key in STATE_KEYS:
-            if key not in views:
-                continue
-            src = v.get(key)
-            if src is not None:
-                views[key].copy_(_local(src, g.keys[i], key))
-            elif key == "master_param":
-                views[key].copy_(p)
-            elif key == "max_exp_avg_sq":
-                views[key].copy_(views["exp_avg_sq"])
+        codec = g.codecs[i]
+        local = self._localizer(g.keys[i], g.names[i])
+        for key in g.moment_buffers():
+            m = MOMENT[key]
+            if any(k in v for k in (m.key, m.key + "_codes")):
+                write_moment(views, codec, m, v, local)
+            elif m.amsgrad:
+                copy_moment(views, codec, m, MOMENT["exp_avg_sq"])
+        if MASTER_KEY in views:
+            src = v.get(MASTER_KEY)
+            views[MASTER_KEY].copy_(p if src is None else local(src, MASTER_KEY))
         if g.streamed:
-            self._engine.master_loaded(gi, i, from_checkpoint=v.get("master_param") is not None)
-        extra = {k: x for k, x in v.items() if k not in views and k not in STATE_KEYS}
+            self._engine.master_loaded(gi, i, from_checkpoint=v.get(MASTER_KEY) is not None)
+        extra = {k: x for k, x in v.items() if k not in views and k not in _SCHEMA_KEYS}
         self.state.install(g.keys[i], {**g.entry(i), **extra})
 
     def _reset_slot(self, gi: int, i: int) -> None:
-        """An entry emptied or deleted by other code: a fresh start at the next step, as torch."""
+        """An entry emptied or deleted by other code: a fresh start at the next step, as torch
+        (all-zero codes and absmax are zero moments too)."""
         g = self._engine.groups[gi]
         assert g is not None
-        views = g.views(i)
-        for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-            if key in views:
-                views[key].zero_()
-        views["step"].zero_()
+        for key, t in g.views(i).items():
+            if key != MASTER_KEY:
+                t.zero_()
         if g.streamed:
             self._engine.master_loaded(gi, i, from_checkpoint=False)
 

@@ -20,12 +20,13 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from ..runtime.pinned import PinnedArena
+from .schema import MASTER_KEY, MOMENT, Codec, codec_for, is_dense, moments, view
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 _ALIGN = _native.LANES  # slots start on a SIMD block boundary
-STATE_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master_param")
+_MOMENT_ALIGN = 64  # bytes: each slot of uint8 moment buffers starts on a cache line
 
 
 def is_dtensor(t: Any) -> bool:
@@ -45,18 +46,6 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def is_dense(t: Tensor) -> bool:
-    """Its elements fill exactly ``numel`` consecutive slots in some order of the dimensions
-    (contiguous, channels_last, any permutation): what the kernel can step in place."""
-    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
-    expected = 1
-    for st, n in dims:
-        if st != expected:
-            return False
-        expected *= n
-    return True
-
-
 def stand_in(p: Tensor, name: str) -> Tensor | None:
     """A CPU parameter that is not dense in memory (a strided view: every other column) is
     stepped through a contiguous copy of it, written back after each step (None: dense, it is
@@ -66,15 +55,6 @@ def stand_in(p: Tensor, name: str) -> Tensor | None:
     if torch._debug_has_internal_overlap(p) == 1:
         raise ValueError(f"{name}: its elements overlap in memory (an expanded tensor): it cannot be updated in place")
     return p.detach().clone(memory_format=torch.contiguous_format)
-
-
-def _view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
-    """The slot of ``p`` in ``flat``, shaped (and strided) like ``p``."""
-    offset += int(flat.storage_offset())  # as_strided counts from the storage's start
-    if p.is_complex():
-        real = torch.as_strided(flat, (*p.shape, 2), (*(2 * s for s in p.stride()), 1), offset)
-        return torch.view_as_complex(real)
-    return torch.as_strided(flat, p.shape, p.stride(), offset)
 
 
 @dataclass
@@ -88,20 +68,30 @@ class Layout:
     total: int  # elements of each state buffer
     landing_slots: list[tuple[int, int]]  # offloaded: (landing buffer, first element) per slot
     landing: list[int | None]  # offloaded: elements of each landing buffer (KINDS), None if unused
+    state_dtype: torch.dtype  # the moment buffers' dtype
+    codecs: list[Codec]  # how each slot stores its moments (see schema.py)
+    moment_offsets: list[int]  # first element of each slot in the moment buffers
+    moment_total: int  # elements of each moment buffer
 
-    def host_bytes(self, *, state_dtype: torch.dtype, amsgrad: bool, master: bool, streamed: bool) -> int:
+    def moment_bytes(self) -> int:
+        return self.moment_total * torch.empty((), dtype=self.state_dtype).element_size()
+
+    def host_bytes(self, *, amsgrad: bool, master: bool, streamed: bool) -> int:
         """Bytes of the host buffers a group with this layout allocates."""
-        es = torch.empty((), dtype=state_dtype).element_size()
-        n = self.total * es * (3 if amsgrad else 2) + (self.total * 4 if master else 0) + 4 * len(self.lens)
+        n = self.moment_bytes() * len(moments(amsgrad)) + (self.total * 4 if master else 0) + 4 * len(self.lens)
         if streamed:
             n += sum(c * torch.empty((), dtype=KINDS[k]).element_size() for k, c in enumerate(self.landing) if c is not None)
         return n
 
 
-def layout(params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = _ALIGN) -> Layout:
+def layout(
+    params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = _ALIGN, state_dtype: torch.dtype = torch.float32
+) -> Layout:
     """The layout of a group of parameters given as (numel, dtype): buckets of ``bucket_bytes``
     of gradient, each bucket's state starting on a multiple of ``page_align`` elements, each slot
-    on a SIMD block boundary; one landing buffer per gradient dtype for offloaded groups."""
+    on a SIMD block boundary; one landing buffer per gradient dtype for offloaded groups. Moments
+    in uint8 buffers (``state_dtype=torch.uint8``) have their own byte layout: each slot its
+    codec's bytes on a cache line, each bucket on ``2 * page_align`` bytes (4 KiB pages on NVMe)."""
     sizes = [torch.empty((), dtype=dt).element_size() for _, dt in params]
     lens = [n * (2 if dt.is_complex else 1) for n, dt in params]
     buckets: list[range] = []
@@ -127,7 +117,18 @@ def layout(params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page
         slots.append((k, used[k]))
         used[k] += _aligned(n)
     landing = [used[k] if any(dt == KINDS[k] for _, dt in params) else None for k in range(len(KINDS))]
-    return Layout(lens, buckets, offsets, total, slots, landing)
+    codecs = [codec_for(state_dtype, n, dt) for n, (_, dt) in zip(lens, params)]
+    if state_dtype != torch.uint8:
+        return Layout(lens, buckets, offsets, total, slots, landing, state_dtype, codecs, offsets, total)
+    page = max(_MOMENT_ALIGN, 2 * page_align)
+    moff: list[int] = []
+    mtotal = 0
+    for i, (n, c) in enumerate(zip(lens, codecs)):
+        mtotal = -(-mtotal // (page if i in starts else _MOMENT_ALIGN)) * (page if i in starts else _MOMENT_ALIGN)
+        moff.append(mtotal)
+        mtotal += c.nbytes(n)
+    mtotal = -(-mtotal // page) * page
+    return Layout(lens, buckets, offsets, total, slots, landing, state_dtype, codecs, moff, mtotal)
 
 
 class GroupState:
@@ -181,18 +182,20 @@ class GroupState:
             self.stand_ins = [stand_in(p, name) for p, name in zip(params, names)]
             self.stand_versions = [p._version for p in params]
         self.stand_slots = [i for i, d in enumerate(self.stand_ins) if d is not None]  # the step visits only these
-        lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align)
+        lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align, state_dtype=state_dtype)
         self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
+        self.codecs, self.moment_offsets = lay.codecs, lay.moment_offsets
         alloc: Callable[[int, torch.dtype], Tensor] = (
             arena.alloc if arena is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
         )
         self._state_alloc = state_alloc or alloc
-        total = self.total
-        self.exp_avg = self._state_alloc(total, state_dtype)
-        self.exp_avg_sq = self._state_alloc(total, state_dtype)
-        self.max_exp_avg_sq = self._state_alloc(total, state_dtype) if amsgrad else None
+        self.exp_avg = self._state_alloc(lay.moment_total, state_dtype)
+        self.exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype)
+        self.max_exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype) if amsgrad else None
         lowp = any(p.dtype in LOW_PRECISION for p in params)
-        self.master = self._state_alloc(total, torch.float32) if self.streamed or lowp else None
+        self.master = self._state_alloc(self.total, torch.float32) if self.streamed or lowp else None
+        quantized = state_dtype == torch.uint8
+        slots = [(o, c.quantized) for o, c in zip(self.moment_offsets, self.codecs)] if quantized else None
         self.steps = torch.zeros(len(params), dtype=torch.float32)
         self.landing: list[Tensor | None] = [None] * len(KINDS)
         self.landing_slots: list[tuple[int, int]] = []
@@ -202,12 +205,13 @@ class GroupState:
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
                 self.max_exp_avg_sq, landing=self.landing, landing_slots=self.landing_slots,
-                params=self.homes if any(h is not None for h in self.homes) else None,
+                params=self.homes if any(h is not None for h in self.homes) else None, moments=slots,
             )  # fmt: skip
         else:
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
                 self.max_exp_avg_sq, params=[d if d is not None else p for p, d in zip(self.params, self.stand_ins)],
+                moments=slots,
             )  # fmt: skip
 
     def __len__(self) -> int:
@@ -221,19 +225,25 @@ class GroupState:
         the step writes in place is the master); a float32 CPU parameter is its own master."""
         return self.master is not None and (self.streamed or self.params[i].dtype in LOW_PRECISION)
 
+    def moment_buffers(self) -> dict[str, Tensor]:
+        """The group's moment buffers, by the schema's names (the amsgrad maximum if it has one)."""
+        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "max_exp_avg_sq": self.max_exp_avg_sq}
+        return {k: b for k, b in bufs.items() if b is not None}
+
     def views(self, i: int) -> dict[str, Tensor]:
-        """Views into the flat buffers of parameter ``i``'s state (local shards for a DTensor)."""
-        off = self.offsets[i]
+        """Views into the flat buffers of parameter ``i``'s state (local shards for a DTensor),
+        as its codec shows them (see ``schema.py``)."""
         # Shaped (and strided) like the parameter; a hosted one like its home (its data, a view
         # that moves with its streaming, has any strides).
         home, d = self.homes[i], self.stand_ins[i]
         p = home if home is not None else d if d is not None else self.params[i]
-        out = {"step": self.steps[i], "exp_avg": _view(self.exp_avg, off, p), "exp_avg_sq": _view(self.exp_avg_sq, off, p)}
-        if self.max_exp_avg_sq is not None:
-            out["max_exp_avg_sq"] = _view(self.max_exp_avg_sq, off, p)
+        out: dict[str, Tensor] = {"step": self.steps[i]}
+        codec, off = self.codecs[i], self.moment_offsets[i]
+        for key, buf in self.moment_buffers().items():
+            out.update(codec.views(buf, off, MOMENT[key], p))
         if self.has_master(i):
             assert self.master is not None
-            out["master_param"] = home if home is not None and p.dtype == torch.float32 else _view(self.master, off, p)
+            out[MASTER_KEY] = home if home is not None and p.dtype == torch.float32 else view(self.master, self.offsets[i], p)
         return out
 
     def entry(self, i: int) -> dict[str, Tensor]:
@@ -258,7 +268,7 @@ class GroupState:
         if self.max_exp_avg_sq is not None:
             return False
         buf = self._state_alloc(self.exp_avg_sq.numel(), self.exp_avg_sq.dtype)
-        buf.copy_(self.exp_avg_sq)
+        buf.copy_(self.exp_avg_sq)  # same codecs, same map: the bytes carry over
         self.native.set_max_exp_avg_sq(buf)
         self.max_exp_avg_sq = buf
         return True
@@ -320,6 +330,18 @@ class GroupState:
             bufs.append(self.master)
         return [t for t in bufs if t is not None]
 
+    def paged_layouts(self) -> list[tuple[int, list[int], tuple[str, ...]]]:
+        """The paged buffers by layout: (elements of each buffer, first element of each slot,
+        the buffers' keys). Moments and masters share one, except uint8 moments (a byte layout
+        of their own)."""
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        if self.exp_avg.dtype != torch.uint8:
+            return [(self.total, self.offsets, (*keys, "master"))]
+        out: list[tuple[int, list[int], tuple[str, ...]]] = [(self.exp_avg.numel(), self.moment_offsets, keys)]
+        if self.master is not None:
+            out.append((self.total, self.offsets, ("master",)))
+        return out
+
     def paged_buffers(self) -> dict[str, Tensor]:
         """The buffers a tier may page (each with the layout's offsets): moments, amsgrad
         maximum, masters; not the step counts or landing buffers."""
@@ -343,7 +365,6 @@ class GroupState:
         held = sum(t.untyped_storage().nbytes() for t in bufs)
         if not self.streamed:
             return held, held
-        moments = 2 + (self.max_exp_avg_sq is not None)
-        es = self.exp_avg.element_size()
-        tight = sum(p.numel() * (4 + moments * es + p.element_size()) for p in self.params)
+        k = len(self.moment_buffers())
+        tight = sum(p.numel() * (4 + p.element_size()) + k * c.nbytes(n) for p, c, n in zip(self.params, self.codecs, self.lens))
         return held, tight

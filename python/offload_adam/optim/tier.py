@@ -126,8 +126,8 @@ class NvmeTier:
             corrupt_hint="; restore the optimizer from a checkpoint",
         )  # fmt: skip
         self.state_alloc: Callable[[int, torch.dtype], Tensor] | None = aligned_empty
-        self.families: dict[int, Family] = {}  # id(group) -> its family
-        self.page_of: dict[int, list[int]] = {}  # id(group) -> page of each slot
+        self.families: dict[int, dict[str, Family]] = {}  # id(group) -> the family of each buffer key
+        self.page_of: dict[int, list[list[int]]] = {}  # id(group) -> pages of each slot (one per family)
 
     @property
     def path(self) -> str:
@@ -138,26 +138,37 @@ class NvmeTier:
         return self.pager.stats
 
     def attach(self, group: GroupState) -> None:
-        fam = self.pager.family(f"group{len(self.families)}", group.total)
-        for key, buf in group.paged_buffers().items():
-            self.pager.add_buffer(fam, key, buf)
-        ranges = []
+        """One family per layout of the group's paged buffers (``GroupState.paged_layouts``),
+        each bucket a page of each, added bucket by bucket so that read-ahead follows the step."""
+        fams: dict[str, Family] = {}
+        layouts = []
+        bufs = group.paged_buffers()
+        for j, (total, offsets, keys) in enumerate(group.paged_layouts()):
+            fam = self.pager.family(f"group{len(self.families)}" + (f"-{j}" if j else ""), total)
+            for key in keys:
+                fams[key] = fam
+                if key in bufs:
+                    self.pager.add_buffer(fam, key, bufs[key])
+            layouts.append((fam, total, offsets))
+        by_bucket = []
         for k, rng in enumerate(group.buckets):
-            start = group.offsets[rng.start]
-            end = group.offsets[group.buckets[k + 1].start] if k + 1 < len(group.buckets) else group.total
             first, last = group.names[rng.start], group.names[rng.stop - 1]
-            ranges.append((start, end, f"the state of bucket {k} ({first}" + (f" .. {last})" if last != first else ")")))
-        pages = self.pager.add_pages(fam, ranges, "the optimizer state")
-        self.families[id(group)] = fam
-        self.page_of[id(group)] = [pages[k] for k, rng in enumerate(group.buckets) for _ in rng]
+            label = f"the state of bucket {k} ({first}" + (f" .. {last})" if last != first else ")")
+            pages = []
+            for fam, total, offsets in layouts:
+                end = offsets[group.buckets[k + 1].start] if k + 1 < len(group.buckets) else total
+                pages += self.pager.add_pages(fam, [(offsets[rng.start], end, label)], "the optimizer state")
+            by_bucket.append(pages)
+        self.families[id(group)] = fams
+        self.page_of[id(group)] = [by_bucket[k] for k, rng in enumerate(group.buckets) for _ in rng]
 
     def _pages(self, group: GroupState, slots: Sequence[int]) -> list[int]:
-        fam = self.families[id(group)]
+        fams = self.families[id(group)]
         for key, buf in group.paged_buffers().items():
-            if key not in fam.buffers:  # created since (amsgrad switched on): zeros until written
-                self.pager.add_buffer(fam, key, buf)
+            if key not in fams[key].buffers:  # created since (amsgrad switched on): zeros until written
+                self.pager.add_buffer(fams[key], key, buf)
         of = self.page_of[id(group)]
-        return sorted({of[i] for i in slots})
+        return sorted({pg for i in slots for pg in of[i]})
 
     def make_resident(self, group: GroupState, slots: Sequence[int]) -> None:
         self.pager.make_resident(self._pages(group, slots))

@@ -59,9 +59,18 @@ def _torch_opt(shapes: Shapes, **kw: object) -> Callable[[], None]:
     return opt.step  # type: ignore[return-value]
 
 
-def _ours(shapes: Shapes, dtype: torch.dtype, threads: int) -> Callable[[], None]:
-    opt = AdamW(_params(shapes, dtype), lr=1e-4, num_threads=threads)
+def _ours(shapes: Shapes, dtype: torch.dtype, threads: int, **kw: object) -> Callable[[], None]:
+    opt = AdamW(_params(shapes, dtype), lr=1e-4, num_threads=threads, **kw)  # type: ignore[arg-type]
     return opt.step  # type: ignore[return-value]
+
+
+def _torchao_8bit(shapes: Shapes) -> Callable[[], None]:
+    """torchao's ``AdamW8bit`` as its users run it: each parameter's step compiled by
+    ``torch.compile`` (Inductor's C++ backend on the CPU), compiled during the warm-up."""
+    from torchao.optim import AdamW8bit  # type: ignore[import-untyped]
+
+    opt = AdamW8bit(_params(shapes, torch.float32), lr=1e-4)
+    return opt.step  # type: ignore[no-any-return]
 
 
 def _ours_offloaded(shapes: Shapes, threads: int) -> Contender:
@@ -159,7 +168,8 @@ def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload_adam bench", description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--cases", default="big,gpt2,many,bf16,threads,offload", help="comma-separated: big,gpt2,many,bf16,threads,offload"
+        "--cases", default="big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2",
+        help="comma-separated: big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2, and torchao (needs torchao and a C++ compiler)",
     )
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -253,6 +263,23 @@ def main(argv: list[str] | None = None) -> int:
             results.append(
                 run_case("bf16 params+grads, GPT-2 small shapes", cs, n(gpt2), args.rounds, "torch copy+fused fp32+copy")
             )
+            continue
+        elif case in ("uint8", "uint8-gpt2"):
+            one: Shapes = [(int(64_000_000 * s),)]
+            shapes, title = (one, "1 tensor x 64M fp32") if case == "uint8" else (gpt2, "GPT-2 small shapes fp32")
+            cs = [
+                Contender("offload_adam uint8 moments", _ours(shapes, torch.float32, args.threads, state_dtype=torch.uint8)),
+                Contender("offload_adam fp32 moments", _ours(shapes, torch.float32, args.threads)),
+            ]
+            results.append(run_case(f"8-bit moments, {title}", cs, n(shapes), args.rounds, "offload_adam fp32 moments"))
+            continue
+        elif case == "torchao":
+            shapes = [(int(16_000_000 * s),)]  # type: ignore[list-item]
+            cs = [
+                Contender("offload_adam uint8 moments", _ours(shapes, torch.float32, args.threads, state_dtype=torch.uint8)),
+                Contender("torchao AdamW8bit (compiled)", _torchao_8bit(shapes)),
+            ]
+            results.append(run_case("8-bit moments, 1 tensor x 16M fp32", cs, n(shapes), args.rounds, "torchao AdamW8bit (compiled)"))
             continue
         elif case == "offload":
             cs = [

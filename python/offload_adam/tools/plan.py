@@ -52,9 +52,9 @@ def optimizer_host_bytes(
 ) -> int:
     """Host bytes of one param group of ``offload_adam.AdamW`` over these (numel, dtype)
     parameters: offloaded (``streamed``: masters and landing buffers) or CPU parameters."""
-    lay = layout(params, bucket_bytes=bucket_bytes, **({"page_align": page_align} if page_align else {}))
+    lay = layout(params, bucket_bytes=bucket_bytes, state_dtype=state_dtype, **({"page_align": page_align} if page_align else {}))
     master = streamed or any(dt in (torch.bfloat16, torch.float16) for _, dt in params)
-    return lay.host_bytes(state_dtype=state_dtype, amsgrad=amsgrad, master=master, streamed=streamed)
+    return lay.host_bytes(amsgrad=amsgrad, master=master, streamed=streamed)
 
 
 def streamed_ring_bytes(layers: int, layer_bytes: int, prefetch: int = 2) -> int:

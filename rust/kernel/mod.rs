@@ -9,6 +9,9 @@
 
 use rayon::prelude::*;
 
+mod maps;
+pub mod q8;
+
 use crate::elem::{Bf16, Elem, F16};
 use crate::error::{Error, Result};
 #[cfg(target_arch = "x86_64")]
@@ -147,6 +150,17 @@ pub enum GradRef<'a> {
 pub enum StateMut<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [Bf16]),
+    /// Block-quantized ([`q8`]): one code per element, one absmax per [`q8::QBLOCK`] elements.
+    Q8 {
+        codes: &'a mut [u8],
+        absmax: &'a mut [f32],
+    },
+}
+
+/// A quantized moment's codes and absmax, split out of [`StateMut::Q8`].
+pub struct Q8Mut<'a> {
+    pub codes: &'a mut [u8],
+    pub absmax: &'a mut [f32],
 }
 
 /// Low-precision copy of the updated weights, written in the same pass.
@@ -154,16 +168,6 @@ pub enum OutMut<'a> {
     None,
     Bf16(&'a mut [Bf16]),
     F16(&'a mut [F16]),
-}
-
-macro_rules! enum_len {
-    ($e:expr, $($v:path),*) => { match $e { $($v(s) => s.len(),)* } };
-}
-
-macro_rules! enum_split {
-    ($e:expr, $mid:expr, $ty:ident, $($v:ident),*) => {
-        match $e { $($ty::$v(s) => { let (a, b) = s.split_at_mut($mid); ($ty::$v(a), $ty::$v(b)) })* }
-    };
 }
 
 impl GradRef<'_> {
@@ -190,16 +194,59 @@ impl GradRef<'_> {
 
 impl<'a> StateMut<'a> {
     pub fn len(&self) -> usize {
-        enum_len!(self, StateMut::F32, StateMut::Bf16)
+        match self {
+            StateMut::F32(s) => s.len(),
+            StateMut::Bf16(s) => s.len(),
+            StateMut::Q8 { codes, .. } => codes.len(),
+        }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn is_bf16(&self) -> bool {
-        matches!(self, StateMut::Bf16(_))
+    /// Which storage: 0 float32, 1 bfloat16, 2 quantized.
+    fn codec(&self) -> u8 {
+        match self {
+            StateMut::F32(_) => 0,
+            StateMut::Bf16(_) => 1,
+            StateMut::Q8 { .. } => 2,
+        }
     }
+    /// A quantized moment's length and absmax agree (whole blocks).
+    fn check_q8(&self, what: &str) -> std::result::Result<(), String> {
+        if let StateMut::Q8 { codes, absmax } = self {
+            if !codes.len().is_multiple_of(q8::QBLOCK) || absmax.len() != codes.len() / q8::QBLOCK {
+                return Err(format!(
+                    "{what}: {} codes need {} absmax values, got {} (whole blocks of {})",
+                    codes.len(),
+                    codes.len() / q8::QBLOCK,
+                    absmax.len(),
+                    q8::QBLOCK
+                ));
+            }
+        }
+        Ok(())
+    }
+    /// `mid` is a multiple of [`q8::QBLOCK`] for a quantized moment (chunks are).
     fn split_at(self, mid: usize) -> (Self, Self) {
-        enum_split!(self, mid, StateMut, F32, Bf16)
+        match self {
+            StateMut::F32(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (StateMut::F32(a), StateMut::F32(b))
+            }
+            StateMut::Bf16(s) => {
+                let (a, b) = s.split_at_mut(mid);
+                (StateMut::Bf16(a), StateMut::Bf16(b))
+            }
+            StateMut::Q8 { codes, absmax } => {
+                debug_assert_eq!(mid % q8::QBLOCK, 0);
+                let (c0, c1) = codes.split_at_mut(mid);
+                let (a0, a1) = absmax.split_at_mut(mid / q8::QBLOCK);
+                (
+                    StateMut::Q8 { codes: c0, absmax: a0 },
+                    StateMut::Q8 { codes: c1, absmax: a1 },
+                )
+            }
+        }
     }
 }
 
@@ -270,15 +317,18 @@ impl<'a> Segment<'a> {
         }
         check("exp_avg", self.exp_avg.len())?;
         check("exp_avg_sq", self.exp_avg_sq.len())?;
-        if self.exp_avg.is_bf16() != self.exp_avg_sq.is_bf16() {
+        if self.exp_avg.codec() != self.exp_avg_sq.codec() {
             return Err("exp_avg and exp_avg_sq must have the same dtype".into());
         }
+        self.exp_avg.check_q8("exp_avg")?;
+        self.exp_avg_sq.check_q8("exp_avg_sq")?;
         match (&self.max_exp_avg_sq, self.amsgrad) {
             (Some(v), _) => {
                 check("max_exp_avg_sq", v.len())?;
-                if v.is_bf16() != self.exp_avg.is_bf16() {
+                if v.codec() != self.exp_avg.codec() {
                     return Err("max_exp_avg_sq must have the dtype of exp_avg".into());
                 }
+                v.check_q8("max_exp_avg_sq")?;
             }
             (None, true) => return Err("amsgrad needs max_exp_avg_sq".into()),
             (None, false) => {}
@@ -735,6 +785,17 @@ trait Path {
         vmax: &mut [S],
     );
     /// # Safety
+    /// As for [`q8::body`].
+    unsafe fn update_q8<G: BlockIo, const AMS: bool>(
+        c: &Consts,
+        p: &mut [f32],
+        g: Option<&[G]>,
+        m: Q8Mut<'_>,
+        v: Q8Mut<'_>,
+        x: Option<Q8Mut<'_>>,
+        out: &mut OutMut<'_>,
+    );
+    /// # Safety
     /// The CPU supports the path.
     unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64;
     /// # Safety
@@ -771,6 +832,20 @@ macro_rules! path {
                     unsafe { body_inout::<$isa, O, S, AMS>(c, p, o, m, v, vmax) }
                 }
                 unsafe { f::<O, S, AMS>(c, p, o, m, v, vmax) }
+            }
+            #[inline]
+            unsafe fn update_q8<G: BlockIo, const AMS: bool>(
+                c: &Consts, p: &mut [f32], g: Option<&[G]>, m: Q8Mut<'_>, v: Q8Mut<'_>, x: Option<Q8Mut<'_>>,
+                out: &mut OutMut<'_>,
+            ) {
+                $(#[target_feature(enable = $features)])?
+                unsafe fn f<G: BlockIo, const AMS: bool>(
+                    c: &Consts, p: &mut [f32], g: Option<&[G]>, m: Q8Mut<'_>, v: Q8Mut<'_>, x: Option<Q8Mut<'_>>,
+                    out: &mut OutMut<'_>,
+                ) {
+                    unsafe { q8::body::<$isa, G, AMS>(c, p, g, m, v, x, out) }
+                }
+                unsafe { f::<G, AMS>(c, p, g, m, v, x, out) }
             }
             #[inline]
             unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
@@ -848,6 +923,22 @@ impl Path for ScalarPath {
         let g = take_slot(o, p);
         reference::update(c, p, &g, m, v, if AMS { Some(vmax) } else { None }, Some(o));
     }
+    unsafe fn update_q8<G: BlockIo, const AMS: bool>(
+        c: &Consts,
+        p: &mut [f32],
+        g: Option<&[G]>,
+        m: Q8Mut<'_>,
+        v: Q8Mut<'_>,
+        x: Option<Q8Mut<'_>>,
+        out: &mut OutMut<'_>,
+    ) {
+        let (g, inout) = (g.unwrap_or(&[]), g.is_none());
+        match out {
+            OutMut::None => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, None, false),
+            OutMut::Bf16(o) => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout),
+            OutMut::F16(o) => q8::update_ref::<G, F16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout),
+        }
+    }
     unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
         g.iter().map(|x| (x.to_f32() as f64) * (x.to_f32() as f64)).sum()
     }
@@ -903,6 +994,35 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
         max_exp_avg_sq,
         mut out,
     } = s;
+    if let StateMut::Q8 { .. } = exp_avg {
+        fn q(s: StateMut<'_>) -> Q8Mut<'_> {
+            match s {
+                StateMut::Q8 { codes, absmax } => Q8Mut { codes, absmax },
+                _ => unreachable!("validated: moments share one codec"),
+            }
+        }
+        let (m, v) = (q(exp_avg), q(exp_avg_sq));
+        let x = if amsgrad { max_exp_avg_sq.map(q) } else { None };
+        macro_rules! q8 {
+            ($g:expr) => {
+                // SAFETY: lengths validated (whole blocks); path support is the caller's contract.
+                unsafe {
+                    if amsgrad {
+                        P::update_q8::<_, true>(&consts, param, $g, m, v, x, &mut out)
+                    } else {
+                        P::update_q8::<_, false>(&consts, param, $g, m, v, x, &mut out)
+                    }
+                }
+            };
+        }
+        match grad {
+            GradRef::F32(g) => q8!(Some(g)),
+            GradRef::Bf16(g) => q8!(Some(g)),
+            GradRef::F16(g) => q8!(Some(g)),
+            GradRef::InOut => q8!(None::<&[f32]>),
+        }
+        return;
+    }
     macro_rules! go {
         ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
             // SAFETY: lengths validated; path support is the caller's contract.
@@ -979,6 +1099,7 @@ impl Lookahead {
         let mut state = |x: &StateMut<'_>| match x {
             StateMut::F32(x) => add(x.as_ptr() as usize, 4),
             StateMut::Bf16(x) => add(x.as_ptr() as usize, 2),
+            StateMut::Q8 { codes, .. } => add(codes.as_ptr() as usize, 1),
         };
         state(&s.exp_avg);
         state(&s.exp_avg_sq);
@@ -1150,23 +1271,39 @@ pub fn grads_nonfinite(simd: Simd, pool: Pool<'_>, grads: &[GradRef<'_>]) -> Res
     Ok(chunk_pass::<NonFinite>(simd, pool, grads)?.into_iter().any(|b| b))
 }
 
-/// A host buffer of any of the kernel's element types, to write.
+/// A host buffer of any of the kernel's element types, to write (bytes: quantized moments).
 pub enum HostMut<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [Bf16]),
     F16(&'a mut [F16]),
+    U8(&'a mut [u8]),
 }
 
-impl HostMut<'_> {
+impl<'a> HostMut<'a> {
     pub fn len(&self) -> usize {
         match self {
             HostMut::F32(s) => s.len(),
             HostMut::Bf16(s) => s.len(),
             HostMut::F16(s) => s.len(),
+            HostMut::U8(s) => s.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The buffer as a gradient to read; `what` names it in the error (a uint8 buffer).
+    pub fn into_grad(self, what: &str) -> Result<GradRef<'a>> {
+        Ok(match self {
+            HostMut::F32(s) => GradRef::F32(s),
+            HostMut::Bf16(s) => GradRef::Bf16(s),
+            HostMut::F16(s) => GradRef::F16(s),
+            HostMut::U8(_) => {
+                return Err(Error::Type(format!(
+                    "{what}: dtype must be float32, bfloat16 or float16, got uint8"
+                )))
+            }
+        })
     }
 }
 
@@ -1179,6 +1316,11 @@ fn add_into<D: Elem, S: Elem>(dst: &mut [D], src: &[S]) {
 /// `dst += src` element by element, computed in f32 and rounded to `dst`'s dtype: the rounding
 /// torch does when it adds a gradient into an existing one.
 pub fn accumulate(pool: Pool<'_>, dst: HostMut<'_>, src: GradRef<'_>) -> Result<()> {
+    if matches!(dst, HostMut::U8(_)) {
+        return Err(Error::Type(
+            "dst: a gradient is float32, bfloat16 or float16, not uint8".into(),
+        ));
+    }
     if dst.len() != src.len() || matches!(src, GradRef::InOut) {
         return Err(Error::Value(format!(
             "src: has {} elements, dst {}",
@@ -1202,7 +1344,7 @@ pub fn accumulate(pool: Pool<'_>, dst: HostMut<'_>, src: GradRef<'_>) -> Result<
         (HostMut::F16(d), GradRef::F32(s)) => go!(d, s),
         (HostMut::F16(d), GradRef::Bf16(s)) => go!(d, s),
         (HostMut::F16(d), GradRef::F16(s)) => go!(d, s),
-        (_, GradRef::InOut) => unreachable!("refused above"),
+        (HostMut::U8(_), _) | (_, GradRef::InOut) => unreachable!("refused above"),
     }
     Ok(())
 }
@@ -1610,5 +1752,171 @@ mod tests {
         .unwrap();
         assert!(d32.iter().enumerate().all(|(i, x)| *x == 1.0 + (i % 7) as f32));
         assert!(accumulate(None, HostMut::F32(&mut d32[..3]), GradRef::F16(&s16[..4])).is_err());
+    }
+
+    /// Quantized moments: `n` elements' codes and absmax, a copy buffer's bits, per run.
+    #[derive(Clone, Debug, PartialEq)]
+    struct Q8Bufs {
+        p: Vec<f32>,
+        g: Vec<Bf16>,
+        mc: Vec<u8>,
+        ms: Vec<f32>,
+        vc: Vec<u8>,
+        vs: Vec<f32>,
+        xc: Vec<u8>,
+        xs: Vec<f32>,
+        o: Vec<Bf16>,
+    }
+
+    impl Q8Bufs {
+        fn new(n: usize, seed: u64) -> Q8Bufs {
+            let mut r = Rng(seed | 1);
+            let p = r.vec(n, 1.0);
+            let b = n / q8::QBLOCK;
+            Q8Bufs {
+                o: p.iter().map(|x| Bf16::from_f32(*x)).collect(),
+                p,
+                g: r.vec(n, 0.1).iter().map(|x| Bf16::from_f32(*x)).collect(),
+                mc: vec![0; n],
+                ms: vec![0.0; b],
+                vc: vec![0; n],
+                vs: vec![0.0; b],
+                xc: vec![0; n],
+                xs: vec![0.0; b],
+            }
+        }
+
+        /// `steps` updates; `mode` 0: no copy, 1: a bf16 copy, 2: the gradient in the copy's
+        /// buffer. Fresh gradients each step (from `seed`).
+        fn run(&mut self, h: &Hyper, simd: Simd, threads: usize, steps: u64, mode: u8) {
+            let pool = crate::pool::get(threads).unwrap();
+            let mut r = Rng(77);
+            for t in 1..=steps {
+                let fresh: Vec<Bf16> = r.vec(self.p.len(), 0.1).iter().map(|x| Bf16::from_f32(*x)).collect();
+                if mode == 2 {
+                    self.o.copy_from_slice(&fresh);
+                } else {
+                    self.g.copy_from_slice(&fresh);
+                }
+                let seg = Segment {
+                    consts: Consts::new(h, t),
+                    amsgrad: h.amsgrad,
+                    param: &mut self.p,
+                    grad: if mode == 2 {
+                        GradRef::InOut
+                    } else {
+                        GradRef::Bf16(&self.g)
+                    },
+                    exp_avg: StateMut::Q8 {
+                        codes: &mut self.mc,
+                        absmax: &mut self.ms,
+                    },
+                    exp_avg_sq: StateMut::Q8 {
+                        codes: &mut self.vc,
+                        absmax: &mut self.vs,
+                    },
+                    max_exp_avg_sq: Some(StateMut::Q8 {
+                        codes: &mut self.xc,
+                        absmax: &mut self.xs,
+                    }),
+                    out: if mode == 0 {
+                        OutMut::None
+                    } else {
+                        OutMut::Bf16(&mut self.o)
+                    },
+                };
+                adam_step(simd, pool.as_deref(), vec![seg]).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_moments_every_path_is_the_specification_bitwise() {
+        // Several chunks (CHUNK = 128 blocks), threads, modes.
+        let n = 2 * CHUNK + 4096;
+        for &(decoupled, amsgrad, wd) in &[(true, false, 0.01), (false, true, 0.01), (true, true, 0.0)] {
+            for mode in 0..3u8 {
+                let h = hyper(decoupled, amsgrad, false, wd);
+                let mut want = Q8Bufs::new(n, 5);
+                want.run(&h, Simd::Scalar, 1, 6, mode);
+                for simd in Simd::available() {
+                    for threads in [1, 3] {
+                        let mut got = Q8Bufs::new(n, 5);
+                        got.run(&h, simd, threads, 6, mode);
+                        assert!(
+                            got == want,
+                            "{} threads {threads} mode {mode} {decoupled} {amsgrad}",
+                            simd.name()
+                        );
+                    }
+                }
+                assert!(want.mc.iter().any(|&c| c != want.mc[0]), "codes move");
+            }
+        }
+    }
+
+    #[test]
+    fn quantized_moments_track_the_float32_update() {
+        // After 20 steps, the weights are within the quantization's reach of fp32 moments.
+        let n = 8192;
+        let h = hyper(true, false, false, 0.01);
+        let mut q = Q8Bufs::new(n, 9);
+        q.run(&h, Simd::best(), 1, 20, 0);
+        let mut f = Bufs::new(n, 9);
+        f.p = Q8Bufs::new(n, 9).p;
+        f.m.fill(0.0);
+        f.v.fill(0.0);
+        let mut r = Rng(77);
+        let pool = crate::pool::get(1).unwrap();
+        for t in 1..=20 {
+            let g: Vec<f32> = r.vec(n, 0.1).iter().map(|x| Bf16::from_f32(*x).to_f32()).collect();
+            let seg = Segment {
+                consts: Consts::new(&h, t),
+                amsgrad: false,
+                param: &mut f.p,
+                grad: GradRef::F32(&g),
+                exp_avg: StateMut::F32(&mut f.m),
+                exp_avg_sq: StateMut::F32(&mut f.v),
+                max_exp_avg_sq: None,
+                out: OutMut::None,
+            };
+            adam_step(Simd::best(), pool.as_deref(), vec![seg]).unwrap();
+        }
+        let start = Q8Bufs::new(n, 9).p;
+        let moved: f32 = f.p.iter().zip(&start).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32;
+        let err: f32 = f.p.iter().zip(&q.p).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32;
+        assert!(moved > 1e-3, "{moved}");
+        assert!(err < 0.05 * moved, "{err} vs {moved}");
+        let mut m = vec![0.0; n];
+        q8::dequantize(q8::signed(), &q.mc, &q.ms, &mut m);
+        let rel: f32 =
+            m.iter().zip(&f.m).map(|(a, b)| (a - b).abs()).sum::<f32>() / f.m.iter().map(|x| x.abs()).sum::<f32>();
+        assert!(rel < 0.05, "{rel}");
+    }
+
+    #[test]
+    fn quantized_segments_need_whole_blocks() {
+        let h = hyper(true, false, false, 0.0);
+        let n = 4096 + 16;
+        let (mut p, g, mut c, mut c2) = (vec![0.0; n], vec![0.0f32; n], vec![0u8; n], vec![0u8; n]);
+        let (mut s, mut s2) = (vec![0.0; n / 256], vec![0.0; n / 256]);
+        let seg = Segment {
+            consts: Consts::new(&h, 1),
+            amsgrad: false,
+            param: &mut p,
+            grad: GradRef::F32(&g),
+            exp_avg: StateMut::Q8 {
+                codes: &mut c,
+                absmax: &mut s,
+            },
+            exp_avg_sq: StateMut::Q8 {
+                codes: &mut c2,
+                absmax: &mut s2,
+            },
+            max_exp_avg_sq: None,
+            out: OutMut::None,
+        };
+        let e = adam_step(Simd::Scalar, None, vec![seg]).unwrap_err();
+        assert!(e.message().contains("whole blocks"), "{e}");
     }
 }

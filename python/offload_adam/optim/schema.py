@@ -1,0 +1,236 @@
+"""The state schema: every buffer of a group's state, declared once.
+
+A group's state is its moments (:data:`MOMENTS`: name, which 8-bit map, whether amsgrad needs
+it), each in one flat buffer of the group, paged by the NVMe tier, plus the float32 masters and
+step counts. How one parameter's slot stores a moment is its :class:`Codec`, chosen by the
+optimizer's ``state_dtype`` and the parameter (:func:`codec_for`):
+
+* ``float32`` / ``bfloat16``: one element per parameter element, ``state[p][name]`` a view
+  shaped like the parameter;
+* ``uint8``: torchao's ``AdamW8bit`` storage (the kernel's ``q8``): one code per element and one
+  float32 absmax per block of :data:`QBLOCK` elements, shown as ``state[p][name + "_codes"]``
+  (uint8, shaped like the parameter) and ``state[p][name + "_absmax"]`` (float32,
+  ``numel / QBLOCK``). A tensor torchao would not quantize (under :data:`MIN_NUMEL` elements, not
+  whole blocks, complex) keeps float32 moments in the same byte buffers;
+* ``float32`` in bytes: that fallback, ``4 * numel`` bytes of the uint8 buffers.
+
+Every user reads this: :class:`~offload_adam.optim.state.GroupState` allocates and views by it,
+the tier pages its buffers, the planner and ``memory_report`` count its bytes, and checkpoints,
+take-over and ``load_state_dict`` check and convert entries with :func:`check_moment` and
+:func:`write_moment` (an fp32 entry into a quantized slot is quantized, a quantized one into a
+float slot dequantized).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _native
+
+QBLOCK: int = _native.QBLOCK
+MIN_NUMEL: int = _native.Q8_MIN_NUMEL
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+MASTER_KEY = "master_param"
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One moment buffer of a group."""
+
+    key: str  # its name in state[p] (and its prefix, quantized)
+    signed: bool  # which 8-bit map quantizes it
+    amsgrad: bool  # only groups with amsgrad have it
+
+
+MOMENTS = (Moment("exp_avg", True, False), Moment("exp_avg_sq", False, False), Moment("max_exp_avg_sq", False, True))
+MOMENT = {m.key: m for m in MOMENTS}
+
+
+def moments(amsgrad: bool) -> tuple[Moment, ...]:
+    """The moments a group with (or without) amsgrad has."""
+    return tuple(m for m in MOMENTS if amsgrad or not m.amsgrad)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one slot stores a moment, in buffers of ``buffer_dtype``."""
+
+    name: str  # "float32", "bfloat16" or "q8"
+    buffer_dtype: torch.dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.name == "q8"
+
+    def nbytes(self, n: int) -> int:
+        """Bytes of a slot of ``n`` elements (the native layer's ``moment_bytes``)."""
+        if self.quantized:
+            return n + 4 * (n // QBLOCK)
+        return n * (2 if self.name == "bfloat16" else 4)
+
+    def units(self, n: int) -> int:
+        """Elements of the buffer a slot of ``n`` elements spans."""
+        return self.nbytes(n) // _size(self.buffer_dtype)
+
+    def keys(self, m: Moment) -> tuple[str, ...]:
+        """The ``state[p]`` keys of moment ``m`` in this codec."""
+        return (m.key + "_codes", m.key + "_absmax") if self.quantized else (m.key,)
+
+    def views(self, buf: Tensor, off: int, m: Moment, like: Tensor) -> dict[str, Tensor]:
+        """Moment ``m`` of the slot at ``off`` (in buffer elements), ``like`` the parameter whose
+        shape and strides it takes."""
+        n = like.numel() * (2 if like.is_complex() else 1)
+        if self.quantized:
+            absmax = buf[off + n : off + n + 4 * (n // QBLOCK)].view(torch.float32)
+            return {m.key + "_codes": view(buf, off, like), m.key + "_absmax": absmax}
+        if buf.dtype == torch.uint8:  # float32 moments among quantized ones
+            return {m.key: view(buf[off : off + 4 * n].view(torch.float32), 0, like)}
+        return {m.key: view(buf, off, like)}
+
+
+def _size(dt: torch.dtype) -> int:
+    return torch.empty((), dtype=dt).element_size()
+
+
+def codec_for(state_dtype: torch.dtype, n: int, dtype: torch.dtype) -> Codec:
+    """The codec of a slot of ``n`` elements of a ``dtype`` parameter under ``state_dtype``:
+    uint8 quantizes what torchao quantizes (``n >= MIN_NUMEL``, whole blocks, real)."""
+    if state_dtype != torch.uint8:
+        return Codec("bfloat16" if state_dtype == torch.bfloat16 else "float32", state_dtype)
+    if not dtype.is_complex and n >= MIN_NUMEL and n % QBLOCK == 0:
+        return Codec("q8", torch.uint8)
+    return Codec("float32", torch.uint8)
+
+
+def is_dense(t: Tensor) -> bool:
+    """Its elements fill exactly ``numel`` consecutive slots in some order of the dimensions
+    (contiguous, channels_last, any permutation): what the kernel can step in place."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
+
+
+def view(flat: Tensor, offset: int, p: Tensor) -> Tensor:
+    """The slot of ``p`` in ``flat`` at ``offset``, shaped (and strided) like ``p``."""
+    offset += int(flat.storage_offset())  # as_strided counts from the storage's start
+    if p.is_complex():
+        real = torch.as_strided(flat, (*p.shape, 2), (*(2 * s for s in p.stride()), 1), offset)
+        return torch.view_as_complex(real)
+    return torch.as_strided(flat, p.shape, p.stride(), offset)
+
+
+# -- entries: what a checkpoint, load_state_dict or other code hands in ---------------------------
+
+Local = Callable[[Any, str], Any]  # a DTensor entry's local shard, checked against the parameter
+
+
+def check_moment(entry: Mapping[str, Any], m: Moment, p: Tensor, name: str, local: Local) -> str | None:
+    """Checks how ``entry`` holds moment ``m`` of parameter ``p`` (its local shard): ``"float"``
+    (a tensor shaped like ``p``), ``"q8"`` (codes shaped like ``p`` and one float32 absmax per
+    block) or None (absent). Raises, naming the key, on anything else."""
+    codes, absmax = entry.get(m.key + "_codes"), entry.get(m.key + "_absmax")
+    t = entry.get(m.key)
+    what = f"loaded state of {name}"
+    if t is not None and codes is not None:
+        raise ValueError(f"{what}: both {m.key!r} and {m.key + '_codes'!r}; one form per moment")
+    if codes is not None or absmax is not None:
+        if codes is None or absmax is None:
+            raise ValueError(f"{what}: {m.key}_codes and {m.key}_absmax go together")
+        for key, x in ((m.key + "_codes", codes), (m.key + "_absmax", absmax)):
+            if not isinstance(x, Tensor):
+                raise TypeError(f"{what}: {key} must be a tensor, got {type(x).__name__}")
+        codes, absmax = local(codes, m.key + "_codes"), local(absmax, m.key + "_absmax")
+        n = p.numel()
+        if p.is_complex() or codes.shape != p.shape or codes.dtype != torch.uint8 or n % QBLOCK:
+            raise ValueError(
+                f"{what}: {m.key}_codes must be uint8 of shape {tuple(p.shape)} in whole blocks of {QBLOCK}, "
+                f"got {codes.dtype} of shape {tuple(codes.shape)}"
+            )
+        if absmax.dtype != torch.float32 or absmax.numel() != n // QBLOCK:
+            raise ValueError(f"{what}: {m.key}_absmax must be {n // QBLOCK} float32 values, got {absmax.numel()} {absmax.dtype}")
+        return "q8"
+    if t is None:
+        return None
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{what}: {m.key} must be a tensor, got {type(t).__name__}")
+    t = local(t, m.key)
+    if t.shape != p.shape:
+        raise ValueError(f"{what}: {m.key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+    if not (t.is_floating_point() or t.is_complex()) or t.is_complex() != p.is_complex():
+        raise TypeError(f"{what}: {m.key} has dtype {t.dtype}, expected one like {p.dtype}")
+    return "float"
+
+
+def _flat(t: Tensor) -> Tensor:
+    """The memory of a dense tensor (any order of its dimensions) as one run of elements: the
+    order the kernel and its blocks see."""
+    return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
+
+
+def write_moment(views: Mapping[str, Tensor], codec: Codec, m: Moment, src: Mapping[str, Any], local: Local) -> None:
+    """Writes moment ``m`` of a checked entry ``src`` into a slot's ``views`` (its codec's),
+    quantizing or dequantizing as the two forms require. Codes are tied to the parameter's
+    elements as its view shows them; blocks run in the slot's memory order."""
+    if m.key + "_codes" in src:
+        codes = local(src[m.key + "_codes"], m.key)
+        absmax = local(src[m.key + "_absmax"], m.key).reshape(-1)
+        if codec.quantized:
+            views[m.key + "_codes"].copy_(codes)
+            views[m.key + "_absmax"].copy_(absmax)
+            return
+        dst = views[m.key]
+        mem = torch.empty_like(dst, dtype=torch.uint8)  # the codes in the slot's memory order
+        mem.copy_(codes)
+        out = torch.empty_like(dst, dtype=torch.float32)
+        _native.dequantize(_flat(mem), absmax.contiguous(), _flat(out), signed=m.signed)
+        dst.copy_(out)
+        return
+    t = local(src[m.key], m.key)
+    if codec.quantized:
+        codes = views[m.key + "_codes"]
+        x = torch.empty_like(codes, dtype=torch.float32)
+        x.copy_(t)
+        _native.quantize(_flat(x), _flat(codes), views[m.key + "_absmax"], signed=m.signed)
+    else:
+        views[m.key].copy_(t)
+
+
+def copy_moment(views: Mapping[str, Tensor], codec: Codec, dst: Moment, src: Moment) -> None:
+    """Moment ``src``'s values into moment ``dst`` of the same slot (the amsgrad maximum started
+    from ``exp_avg_sq``: both use the unsigned map)."""
+    for a, b in zip(codec.keys(dst), codec.keys(src)):
+        views[a].copy_(views[b])
+
+
+def dequantized(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a state dict with every quantized moment (``<name>_codes`` and
+    ``<name>_absmax``) replaced by its float32 values under ``<name>``: what
+    ``torch.optim.AdamW.load_state_dict`` can take. Other entries are shared, not copied."""
+    out = dict(state_dict)
+    state = {}
+    for k, entry in state_dict["state"].items():
+        if not isinstance(entry, dict):
+            state[k] = entry
+            continue
+        e = dict(entry)
+        for m in MOMENTS:
+            codes = e.pop(m.key + "_codes", None)
+            absmax = e.pop(m.key + "_absmax", None)
+            if codes is None or absmax is None:
+                continue
+            mem = codes if is_dense(codes) else codes.contiguous()
+            x = torch.empty_like(mem, dtype=torch.float32)
+            _native.dequantize(_flat(mem), absmax.contiguous().reshape(-1), _flat(x), signed=m.signed)
+            e[m.key] = x
+        state[k] = e
+    out["state"] = state
+    return out

@@ -1,0 +1,519 @@
+//! The 8-bit block-quantized moments, as torchao's `AdamW8bit` defines them.
+//!
+//! A moment of `n` elements (`n` a multiple of [`QBLOCK`]) is `n` codes and one float32 absmax
+//! per block of [`QBLOCK`] elements; element `i` is `map[code[i]] * absmax[i / QBLOCK]`. The first
+//! moment uses the signed map, the second moment and the amsgrad maximum the unsigned one
+//! (`maps.rs`). Each step dequantizes, updates in float32, and quantizes the new moments: the
+//! block's absmax (clipped at 1e-12, NaN propagating), `y = x / absmax`, then the nearest code by
+//! torchao's rule (a branch-free binary search with `>=`, then one up if the residual is at least
+//! half the gap: [`Map::code_ref`], the specification).
+//!
+//! The fast paths find that same code with one load instead of eight dependent ones (one gather
+//! per 8 lanes on AVX2): [`Map::code`] looks up the float's bucket (its sign, exponent and top 7
+//! mantissa bits), which holds at most one code boundary (checked when the table is built): the
+//! entry is the code at the bucket's start and the low 16 bits of the float where the next code
+//! begins, compared with the float's own low bits.
+
+use std::sync::OnceLock;
+
+use super::{maps, nan_max, out_block, BlockIo, Consts, OutMut, Q8Mut};
+use crate::elem::Elem;
+use crate::isa::{Block, Generic, Isa, LANES};
+
+/// Elements per quantization block (torchao's `block_size` for 8 bits).
+pub const QBLOCK: usize = 256;
+/// torchao (after bitsandbytes) quantizes a tensor's moments only from this many elements, and
+/// only if they divide into blocks; other tensors keep unquantized moments.
+pub const MIN_NUMEL: usize = 4096;
+
+/// One dynamic map, with the lookup tables of the fast quantizer.
+pub struct Map {
+    /// The value of each code, increasing.
+    pub q: [f32; 256],
+    /// Per bucket ([`bucket`]): the code of its first float (smallest magnitude) in the low 8
+    /// bits, and above them the low 16 bits from which floats of the bucket have the next code
+    /// (one further from zero; 0x10000: none).
+    table: Box<[u32; BUCKETS]>,
+}
+
+/// Buckets of one sign: magnitudes up to 1.0 by their top 15 bits (below the sign), then one
+/// for everything larger (NaN: `y` is never larger than 1 otherwise).
+const HALF: u32 = (0x3f80_0000 >> 16) + 2;
+const BUCKETS: usize = 2 * HALF as usize;
+const NONE: u32 = 0x1_0000;
+
+/// The bucket of a float's bits: its sign, then its magnitude's exponent and top 7 mantissa bits.
+#[inline(always)]
+fn bucket(b: u32) -> u32 {
+    ((b & 0x7fff_ffff) >> 16).min(HALF - 1) + (b >> 31) * HALF
+}
+
+/// The code of a float's bits from its bucket's entry `e`: one further from zero (up for
+/// positive floats, down for negative ones) past the entry's threshold.
+#[inline(always)]
+fn decode(b: u32, e: u32) -> u8 {
+    let past = ((b & 0xffff) >= (e >> 8)) as u32;
+    let neg = b >> 31;
+    (e & 0xff).wrapping_add(past).wrapping_sub(2 * past * neg) as u8
+}
+
+impl Map {
+    fn build(bits: &[u32; 256]) -> Map {
+        let q = bits.map(f32::from_bits);
+        let mut m = Map {
+            q,
+            table: vec![0u32; BUCKETS]
+                .into_boxed_slice()
+                .try_into()
+                .expect("BUCKETS entries"),
+        };
+        // The code is monotone in y: within a bucket it changes at most once (asserted), where
+        // bisection over the low 16 bits finds it.
+        for idx in 0..BUCKETS as u32 {
+            let (sign, mag) = ((idx / HALF) << 31, idx % HALF);
+            if mag == HALF - 1 {
+                m.table[idx as usize] = NONE << 8; // NaN: code 0, as the search gives
+                continue;
+            }
+            let at = |low: u32| m.code_ref(f32::from_bits(sign | (mag << 16) | low).clamp(-1.0, 1.0));
+            let (c0, c1) = (at(0), at(0xffff));
+            let thr = if c0 == c1 {
+                NONE
+            } else {
+                assert!(c0.abs_diff(c1) == 1, "bucket {idx:#x} spans codes {c0} and {c1}");
+                let (mut a, mut b) = (0u32, 0xffffu32); // at(a) == c0, at(b) != c0
+                while b - a > 1 {
+                    let mid = (a + b) / 2;
+                    if at(mid) == c0 {
+                        a = mid;
+                    } else {
+                        b = mid;
+                    }
+                }
+                b
+            };
+            m.table[idx as usize] = c0 as u32 | (thr << 8);
+        }
+        m
+    }
+
+    /// torchao's `quantize_8bit_with_qmap` for one element: the specification.
+    pub fn code_ref(&self, y: f32) -> u8 {
+        let q = &self.q;
+        let mut c = 0usize;
+        for k in [128, 64, 32, 16, 8, 4, 2, 1] {
+            if y >= q[c + k] {
+                c += k;
+            }
+        }
+        let up = (c + 1).min(255);
+        if y - q[c] >= (q[up] - q[c]) * 0.5 {
+            c = up;
+        }
+        c as u8
+    }
+
+    /// The same code as [`Map::code_ref`] for every `y` in [-1, 1] and NaN (what `x / absmax`
+    /// can be), by two table loads.
+    #[inline(always)]
+    pub fn code(&self, y: f32) -> u8 {
+        let b = y.to_bits();
+        // In range by construction: `bucket` clamps below BUCKETS.
+        decode(b, self.table[bucket(b) as usize])
+    }
+
+    /// [`Map::code`] for a lane block, by the path's gather.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    #[inline(always)]
+    unsafe fn codes<I: Isa>(&self, y: &Block) -> [u8; LANES] {
+        let bits = y.map(f32::to_bits);
+        // SAFETY: `bucket` < BUCKETS, the table's length; CPU support is the caller's contract.
+        let e = unsafe { I::gather_u32(&self.table[..], &bits.map(bucket)) };
+        std::array::from_fn(|i| decode(bits[i], e[i]))
+    }
+}
+
+/// The map of `exp_avg`.
+pub fn signed() -> &'static Map {
+    static M: OnceLock<Map> = OnceLock::new();
+    M.get_or_init(|| Map::build(&maps::SIGNED))
+}
+
+/// The map of `exp_avg_sq` and `max_exp_avg_sq`.
+pub fn unsigned() -> &'static Map {
+    static M: OnceLock<Map> = OnceLock::new();
+    M.get_or_init(|| Map::build(&maps::UNSIGNED))
+}
+
+/// `torch.amax(|x|).clip(1e-12)`: NaN if any element is NaN. Lane-wise, so that it vectorizes.
+#[inline(always)]
+pub fn absmax(x: &[f32; QBLOCK]) -> f32 {
+    let mut a = [0.0f32; LANES];
+    let mut nan = [false; LANES];
+    for b in x.as_chunks::<LANES>().0 {
+        for i in 0..LANES {
+            let v = b[i].abs();
+            nan[i] |= v.is_nan();
+            a[i] = if v > a[i] { v } else { a[i] };
+        }
+    }
+    if nan.iter().any(|&n| n) {
+        return f32::NAN;
+    }
+    a.iter().fold(0.0f32, |m, &v| if v > m { v } else { m }).max(1e-12)
+}
+
+/// Quantizes one block with `map` by the specification's search; returns its absmax.
+#[inline(always)]
+pub fn quantize_block_ref(map: &Map, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
+    let s = absmax(x);
+    for i in 0..QBLOCK {
+        codes[i] = map.code_ref(x[i] / s);
+    }
+    s
+}
+
+/// Quantizes one block with `map` by the fast quantizer on path `I`; returns its absmax.
+///
+/// # Safety
+/// The CPU supports `I`.
+#[inline(always)]
+pub unsafe fn quantize_block<I: Isa>(map: &Map, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
+    let s = absmax(x);
+    let (xb, cb) = (x.as_chunks::<LANES>().0, codes.as_chunks_mut::<LANES>().0);
+    for (x, c) in xb.iter().zip(cb) {
+        let y = x.map(|v| v / s);
+        // SAFETY: the caller's contract.
+        *c = unsafe { map.codes::<I>(&y) };
+    }
+    s
+}
+
+/// `map[code] * absmax` for one block, by the path's gathers.
+///
+/// # Safety
+/// The CPU supports `I`.
+#[inline(always)]
+pub unsafe fn dequantize_block<I: Isa>(map: &Map, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
+    let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
+    for (c, o) in cb.iter().zip(ob) {
+        // SAFETY: codes index the 256 values; CPU support is the caller's contract.
+        let q = unsafe { I::gather_f32(&map.q, &c.map(|k| k as u32)) };
+        *o = q.map(|v| v * s);
+    }
+}
+
+/// Quantizes `x` (a multiple of [`QBLOCK`] elements) into `codes` and `absmax` (conversions
+/// of loaded state: the portable path, the same codes as every path).
+pub fn quantize(map: &Map, x: &[f32], codes: &mut [u8], scales: &mut [f32]) {
+    let (xb, codes) = (x.as_chunks::<QBLOCK>().0, codes.as_chunks_mut::<QBLOCK>().0);
+    for ((x, c), s) in xb.iter().zip(codes).zip(scales) {
+        // SAFETY: the portable path runs on every CPU.
+        *s = unsafe { quantize_block::<Generic>(map, x, c) };
+    }
+}
+
+/// Dequantizes `codes` and `absmax` into `out`.
+pub fn dequantize(map: &Map, codes: &[u8], scales: &[f32], out: &mut [f32]) {
+    let (cb, ob) = (codes.as_chunks::<QBLOCK>().0, out.as_chunks_mut::<QBLOCK>().0);
+    for ((c, o), &s) in cb.iter().zip(ob).zip(scales) {
+        // SAFETY: the portable path runs on every CPU.
+        unsafe { dequantize_block::<Generic>(map, c, s, o) };
+    }
+}
+
+/// ATen's `lerp` with a scalar weight, as its vectorized body computes it (one rounding): both
+/// of its forms computed and one kept (`small`: `|w| < 0.5`), so that the loop vectorizes.
+#[inline(always)]
+fn lerp(a: f32, b: f32, w: f32, small: bool) -> f32 {
+    let d = b - a;
+    let lo = w.mul_add(d, a);
+    let hi = (w - 1.0).mul_add(d, b);
+    if small {
+        lo
+    } else {
+        hi
+    }
+}
+
+/// One element's update with quantized moments. The moments follow torchao's
+/// `single_param_adam` exactly (what the codes are made from): the gradient, with the L2 term
+/// `g + wd * p` unfused, then `lerp` for both moments. The weight follows torch's AdamW as the
+/// float32 kernel computes it (`p * (1 - lr * wd)`, then `p - step_size * m / (sqrt(v) / sqrt(bc2)
+/// + eps)` with one FMA and a multiply by `1 / sqrt(bc2)`), with the unquantized moments.
+///
+/// Branch-free (selects on uniform flags), so that LLVM vectorizes the lane loop.
+#[inline(always)]
+fn element<const AMS: bool>(c: &Consts, p: f32, g: f32, m: f32, v: f32, x: f32) -> (f32, f32, f32, f32) {
+    let g = g * c.gscale;
+    let g_l2 = g + c.l2 * p;
+    let g = if c.use_l2 { g_l2 } else { g };
+    let m = lerp(m, g, c.b1c, c.b1c.abs() < 0.5);
+    let v = lerp(v, g * g, c.b2c, c.b2c.abs() < 0.5);
+    let x = if AMS { nan_max(x, v) } else { v };
+    let denom = x.sqrt().mul_add(c.inv_bc2_sqrt, c.eps);
+    let p = c.neg_step_size.mul_add(m / denom, p * c.decay);
+    (p, m, v, x)
+}
+
+/// Lane blocks per quantization block.
+const SUB: usize = QBLOCK / LANES;
+
+/// One quantization block's codes, absmax and dequantized values.
+struct Moment<'s, 'a> {
+    m: &'s mut Q8Mut<'a>,
+    map: &'static Map,
+    x: [f32; QBLOCK],
+}
+
+impl<'s, 'a> Moment<'s, 'a> {
+    /// # Safety
+    /// The CPU supports `I`.
+    #[inline(always)]
+    unsafe fn open<I: Isa>(m: &'s mut Q8Mut<'a>, map: &'static Map, qb: usize) -> Moment<'s, 'a> {
+        let mut x = [0.0; QBLOCK];
+        // SAFETY: the caller's contract.
+        unsafe { dequantize_block::<I>(map, &m.codes.as_chunks::<QBLOCK>().0[qb], m.absmax[qb], &mut x) };
+        Moment { m, map, x }
+    }
+    /// With `EXACT`, the specification's search; otherwise the fast quantizer on `I`.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    #[inline(always)]
+    unsafe fn close<I: Isa, const EXACT: bool>(self, qb: usize) {
+        let codes = &mut self.m.codes.as_chunks_mut::<QBLOCK>().0[qb];
+        self.m.absmax[qb] = if EXACT {
+            quantize_block_ref(self.map, &self.x, codes)
+        } else {
+            // SAFETY: the caller's contract.
+            unsafe { quantize_block::<I>(self.map, &self.x, codes) }
+        };
+    }
+}
+
+/// The specification of the quantized update: element by element in [`element`], the search
+/// quantizer. `out`: the low-precision weight copy (see `Segment`); with `inout` the gradients
+/// are read from it (and `g` is empty).
+pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
+    c: &Consts,
+    p: &mut [f32],
+    g: &[G],
+    mut m: Q8Mut<'_>,
+    mut v: Q8Mut<'_>,
+    mut x: Option<Q8Mut<'_>>,
+    mut out: Option<&mut [O]>,
+    inout: bool,
+) {
+    for qb in 0..p.len() / QBLOCK {
+        // SAFETY: the portable path runs on every CPU.
+        let mut mm = unsafe { Moment::open::<Generic>(&mut m, signed(), qb) };
+        let mut vv = unsafe { Moment::open::<Generic>(&mut v, unsigned(), qb) };
+        let mut xx = x
+            .as_mut()
+            .map(|x| unsafe { Moment::open::<Generic>(x, unsigned(), qb) });
+        for j in 0..QBLOCK {
+            let i = qb * QBLOCK + j;
+            let gi = match out.as_deref_mut() {
+                Some(o) if inout => {
+                    let gi = o[i].to_f32();
+                    o[i] = O::from_f32(p[i]); // the slot now holds the master: no resync
+                    gi
+                }
+                _ => g[i].to_f32(),
+            };
+            if let Some(o) = out.as_deref() {
+                if O::from_f32(p[i]) != o[i] {
+                    p[i] = o[i].to_f32();
+                }
+            }
+            let x0 = xx.as_ref().map_or(0.0, |x| x.x[j]);
+            let (pn, mn, vn, xn) = element::<AMS>(c, p[i], gi, mm.x[j], vv.x[j], x0);
+            p[i] = pn;
+            (mm.x[j], vv.x[j]) = (mn, vn);
+            if let Some(x) = xx.as_mut() {
+                x.x[j] = xn;
+            }
+            if let Some(o) = out.as_deref_mut() {
+                o[i] = O::from_f32(pn);
+            }
+        }
+        // SAFETY: the portable path runs on every CPU.
+        unsafe {
+            mm.close::<Generic, true>(qb);
+            vv.close::<Generic, true>(qb);
+            if let Some(x) = xx {
+                x.close::<Generic, true>(qb);
+            }
+        }
+    }
+}
+
+/// A lane block of the copy's buffer read as float32 (the gradient, in the in-place mode).
+///
+/// # Safety
+/// The CPU supports `I`; `b` is a full block of `out`.
+#[inline(always)]
+unsafe fn out_grad<I: Isa>(out: &OutMut<'_>, b: usize) -> Block {
+    unsafe {
+        match out {
+            OutMut::Bf16(o) => <crate::elem::Bf16 as BlockIo>::load::<I>(o.as_chunks::<LANES>().0.get_unchecked(b)),
+            OutMut::F16(o) => <crate::elem::F16 as BlockIo>::load::<I>(o.as_chunks::<LANES>().0.get_unchecked(b)),
+            OutMut::None => [0.0; LANES],
+        }
+    }
+}
+
+/// The block loop of the quantized update: per quantization block, dequantize the moments,
+/// update its lane blocks (the same [`element`] as the specification), quantize the new moments
+/// with the fast quantizer. `g` None: the gradients are in `out` (the in-place mode).
+///
+/// # Safety
+/// The CPU supports `I`; every slice has `p.len()` elements, a multiple of [`QBLOCK`] (the
+/// moments' codes too, their absmax one per block), `out` too if it is a copy.
+#[inline(always)]
+pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
+    c: &Consts,
+    p: &mut [f32],
+    g: Option<&[G]>,
+    mut m: Q8Mut<'_>,
+    mut v: Q8Mut<'_>,
+    mut x: Option<Q8Mut<'_>>,
+    out: &mut OutMut<'_>,
+) {
+    let full = p.len() / LANES;
+    let pb = p.as_chunks_mut::<LANES>().0;
+    let gb = g.map(|g| g.as_chunks::<LANES>().0);
+    for qb in 0..full / SUB {
+        // SAFETY: the CPU supports `I` (the caller's contract).
+        let mut mm = unsafe { Moment::open::<I>(&mut m, signed(), qb) };
+        let mut vv = unsafe { Moment::open::<I>(&mut v, unsigned(), qb) };
+        let mut xx = if AMS {
+            x.as_mut().map(|x| unsafe { Moment::open::<I>(x, unsigned(), qb) })
+        } else {
+            None
+        };
+        for k in 0..SUB {
+            let b = qb * SUB + k;
+            // SAFETY: `b` < `full`, the blocks of every slice (the caller's lengths); the CPU
+            // supports `I` (the caller's contract).
+            unsafe {
+                let ahead = b + super::PREFETCH_BLOCKS;
+                if ahead < full {
+                    I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
+                    if let Some(gb) = gb {
+                        I::prefetch(gb.as_ptr().wrapping_add(ahead) as *const u8);
+                    }
+                }
+                let pk = pb.get_unchecked_mut(b);
+                let gk = match gb {
+                    Some(gb) => {
+                        out_block::<I, false>(pk, out, b);
+                        G::load::<I>(gb.get_unchecked(b))
+                    }
+                    None => out_grad::<I>(out, b),
+                };
+                let x0 = match &xx {
+                    Some(x) => &x.x[k * LANES..(k + 1) * LANES],
+                    None => &[0.0; LANES][..],
+                };
+                let mut xn = [0.0f32; LANES];
+                for i in 0..LANES {
+                    let j = k * LANES + i;
+                    let (pn, mn, vn, xi) = element::<AMS>(c, pk[i], gk[i], mm.x[j], vv.x[j], x0[i]);
+                    pk[i] = pn;
+                    mm.x[j] = mn;
+                    vv.x[j] = vn;
+                    xn[i] = xi;
+                }
+                if let Some(x) = xx.as_mut() {
+                    x.x[k * LANES..(k + 1) * LANES].copy_from_slice(&xn);
+                }
+                out_block::<I, true>(pk, out, b);
+            }
+        }
+        // SAFETY: as above.
+        unsafe {
+            mm.close::<I, false>(qb);
+            vv.close::<I, false>(qb);
+            if let Some(x) = xx {
+                x.close::<I, false>(qb);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_maps_are_sorted_and_span_the_unit_interval() {
+        for (m, lo) in [(signed(), -1.0f32), (unsigned(), 0.0)] {
+            assert!(m.q.windows(2).all(|w| w[0] < w[1]));
+            assert!(m.q[0] >= lo && m.q[0] < lo + 0.01 && m.q[255] == 1.0);
+            assert!(m.q.contains(&0.0));
+        }
+    }
+
+    /// The fast quantizer equals the search on every float near every code boundary and every
+    /// bucket edge, on a million spread over [-1, 1], and on NaN.
+    #[test]
+    fn the_fast_code_is_the_search_on_every_float_that_matters() {
+        for m in [signed(), unsigned()] {
+            let check = |y: f32| assert_eq!(m.code(y), m.code_ref(y), "y = {y:e} ({:#x})", y.to_bits());
+            for idx in 0..BUCKETS as u32 {
+                let thr = m.table[idx as usize] >> 8;
+                let (sign, mag) = ((idx / HALF) << 31, idx % HALF);
+                if thr < NONE {
+                    for low in thr.saturating_sub(3)..=(thr + 3).min(0xffff) {
+                        check(f32::from_bits(sign | (mag << 16) | low).clamp(-1.0, 1.0));
+                    }
+                }
+            }
+            for idx in 0..(1u32 << 16) {
+                for y in [f32::from_bits(idx << 16), f32::from_bits((idx << 16) | 0xffff)] {
+                    if y.is_finite() && y.abs() <= 1.0 {
+                        check(y);
+                    }
+                }
+            }
+            let mut s = 0x9e37_79b9_7f4a_7c15u64;
+            for _ in 0..1_000_000 {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let y = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 10f32.powi(-((s & 7) as i32));
+                check(y);
+            }
+            assert_eq!(m.code(f32::NAN), 0);
+            assert_eq!(m.code_ref(f32::NAN), 0);
+            check(0.0);
+            check(-0.0);
+            check(1.0);
+            check(-1.0);
+        }
+    }
+
+    #[test]
+    fn a_block_round_trips_to_its_nearest_codes() {
+        let x: [f32; QBLOCK] = std::array::from_fn(|i| ((i as f32) - 128.0) * 1e-3);
+        let mut c = [0u8; QBLOCK];
+        let s = unsafe { quantize_block::<Generic>(signed(), &x, &mut c) };
+        assert_eq!(s, 0.128);
+        let mut back = [0.0; QBLOCK];
+        unsafe { dequantize_block::<Generic>(signed(), &c, s, &mut back) };
+        for i in 0..QBLOCK {
+            // Nearest code: no other code is closer.
+            let y = x[i] / s;
+            let best = signed().q.iter().map(|q| (q - y).abs()).fold(f32::INFINITY, f32::min);
+            assert!(((signed().q[c[i] as usize] - y).abs() - best).abs() <= 1e-6, "{i}");
+        }
+        assert_eq!(back[0], signed().q[0] * s); // the signed map ends at -0.99297, not -1
+        let z = [0.0f32; QBLOCK];
+        assert_eq!(unsafe { quantize_block::<Generic>(unsigned(), &z, &mut c) }, 1e-12);
+        assert!(c.iter().all(|&k| unsigned().q[k as usize] == 0.0));
+    }
+}

@@ -371,3 +371,12 @@ def test_nvme_tier_pages_uint8_moments_bitwise_as_ram(tmp_path: Any, mode: dict[
     for (ps, opt) in runs.values():
         opt.close()
     f32.close()
+
+
+def test_fsdp2_shards_with_uint8_moments_are_refused_clearly() -> None:
+    """The optimizer hands GroupState the DTensors as ``keys``; refused before any buffer exists."""
+    from offload_adam.optim.state import GroupState
+
+    p = torch.zeros(4096)
+    with pytest.raises(ValueError, match="state_dtype=torch.uint8 with FSDP2"):
+        GroupState([p], ["w"], state_dtype=torch.uint8, amsgrad=False, device=None, bucket_bytes=1 << 20, keys=[p])

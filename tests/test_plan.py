@@ -17,7 +17,7 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["cpu", "offloaded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.uint8])
 def test_planned_host_bytes_equal_memory_report(streamed: bool, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
     m = _model(dtype)
     params = [(p.numel(), p.dtype) for p in m.parameters()]
@@ -75,6 +75,11 @@ def test_planned_streamed_weights_equal_what_offload_weights_allocates(prefetch:
 
 
 def test_plan_prints_the_streamed_weights_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    # 8-bit moments: the 13B fine-tune with weights streamed fits in 128 GiB of RAM
+    assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "128", "--state-dtype", "uint8"]) == 0
+    out = capsys.readouterr().out
+    assert "uint8 moments" in out
+    assert "offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of 3 layers): fits" in out
     assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "64", "--nvme-gb", "400", "--bf16-moments"]) == 0
     out = capsys.readouterr().out
     assert "offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of 3 layers): fits" in out

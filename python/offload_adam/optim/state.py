@@ -159,6 +159,11 @@ class GroupState:
         keys: list[Tensor] | None = None,
         homes: list[Tensor | None] | None = None,
     ) -> None:
+        if keys is not None and state_dtype == torch.uint8:
+            raise ValueError(
+                "state_dtype=torch.uint8 with FSDP2 (DTensor) parameters is not supported yet: a shard's blocks and "
+                "absmax have no DTensor layout; use torch.bfloat16 moments"
+            )
         self.params = list(params)
         # What the optimizer's param groups and `state` hold: the parameters themselves, or for a
         # DTensor (FSDP2) the DTensor whose local shard `params[i]` is.

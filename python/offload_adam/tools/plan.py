@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..optim.schema import QBLOCK, codec_for
 from ..optim.state import layout
 from ..optim.tier import PAGE_ALIGN
 from ..weights.blocks import Block
@@ -65,6 +66,9 @@ def streamed_ring_bytes(layers: int, layer_bytes: int, prefetch: int = 2) -> int
 
 
 def _tensors(n: float, per: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
+    """``n`` elements as tensors of ``per`` elements (whole blocks of 256, as a model's matrices
+    are: what 8-bit moments quantize), and the rest."""
+    per = max(QBLOCK, per - per % QBLOCK)
     full, rest = divmod(int(n), per)
     return [(per, dtype)] * full + ([(rest, dtype)] if rest else [])
 
@@ -78,7 +82,7 @@ def configurations(
     bb = int(bucket_mb * (1 << 20))
     bf16 = _tensors(n, tensor_params, torch.bfloat16)
     fp32_shard = _tensors(shard, tensor_params, torch.float32)
-    es = torch.empty((), dtype=state_dtype).element_size()
+    es = codec_for(state_dtype, tensor_params, torch.bfloat16).nbytes(tensor_params) / tensor_params  # moment bytes per element
     window = 3 * bb  # gradient buckets in flight on the GPU with free_gradients
     biggest = 2 * 2 * tensor_params  # FSDP2: an all-gathered unit in bf16, and its gradient
     ours_off = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb)
@@ -133,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host-gb", type=float, required=True, help="host memory per rank, GiB")
     ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (0: none)")
     ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument("--bf16-moments", action="store_true", help="state_dtype=torch.bfloat16")
+    ap.add_argument(
+        "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8"],
+        help="the moments' dtype (uint8: 8-bit block-quantized, 1 B + 4 B per 256 elements)",
+    )  # fmt: skip
+    ap.add_argument("--bf16-moments", action="store_true", help="the same as --state-dtype bfloat16")
     ap.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model")
     ap.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring")
     ap.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers")
@@ -143,14 +151,14 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.prefetch < 0:
         ap.error("--prefetch must be at least 0")
-    sd = torch.bfloat16 if args.bf16_moments else torch.float32
+    sd = torch.bfloat16 if args.bf16_moments else getattr(torch, args.state_dtype)
     cfgs = configurations(
         args.params, world=args.world_size, state_dtype=sd, tensor_params=args.tensor_params, layers=args.layers,
         prefetch=args.prefetch,
     )  # fmt: skip
     print(
         f"{args.params / 1e9:.2f}B parameters, {args.world_size} rank(s) with {args.gpu_gb:g} GiB GPU, "
-        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {'bf16' if args.bf16_moments else 'fp32'} moments; "
+        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {str(sd).removeprefix('torch.')} moments; "
         "activations not counted"
     )
     for c in cfgs:

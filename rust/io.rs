@@ -57,17 +57,10 @@ pub struct Request {
     pub offset: u64,
 }
 
-/// The first error of a ticket's transfers.
-#[derive(Clone, Debug)]
-pub struct IoError {
-    pub errno: i32,
-    pub message: String,
-}
-
 #[derive(Default)]
 struct TicketState {
     remaining: usize,
-    error: Option<IoError>,
+    error: Option<Error>, // the first of its transfers', an `Error::Io`
 }
 
 /// The completion of a batch of requests.
@@ -85,7 +78,7 @@ impl Ticket {
         )))
     }
 
-    fn finish(&self, error: Option<IoError>) {
+    fn finish(&self, error: Option<Error>) {
         let (m, cv) = &*self.0;
         let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
         if s.error.is_none() {
@@ -102,7 +95,7 @@ impl Ticket {
     }
 
     /// Blocks until every transfer of the ticket has finished; the first error, if any.
-    pub fn wait(&self) -> std::result::Result<(), IoError> {
+    pub fn wait(&self) -> Result<()> {
         let (m, cv) = &*self.0;
         let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
         while s.remaining > 0 {
@@ -132,26 +125,26 @@ struct Chunk {
 }
 
 impl Chunk {
-    fn error(&self, errno: i32) -> IoError {
+    fn error(&self, errno: i32) -> Error {
         let what = if self.req.write { "write" } else { "read" };
         let text = std::io::Error::from_raw_os_error(errno);
-        IoError {
+        Error::Io(
             errno,
-            message: format!(
+            format!(
                 "{what} of {} bytes at offset {} of {} failed: {text} (errno {errno})",
                 self.req.len, self.req.offset, self.path
             ),
-        }
+        )
     }
 
-    fn short(&self, done: usize) -> IoError {
-        IoError {
-            errno: libc::EIO,
-            message: format!(
+    fn short(&self, done: usize) -> Error {
+        Error::Io(
+            libc::EIO,
+            format!(
                 "read of {} bytes at offset {} of {}: the file ends after {done} bytes (truncated)",
                 self.req.len, self.req.offset, self.path
             ),
-        }
+        )
     }
 
     /// Buffered files: drop the transferred range from the page cache (the state must not
@@ -373,9 +366,11 @@ impl Engine {
     /// Queues `reqs`; the ticket completes when all have. Direct files need `ALIGN`-aligned
     /// addresses, lengths and offsets (checked here, before anything is queued).
     ///
-    /// The caller guarantees that each request's memory stays valid, and is neither read (for
-    /// a read) nor written (for either) by anyone else, until the ticket completes.
-    pub fn submit(&self, reqs: &[Request]) -> Result<Ticket> {
+    /// # Safety
+    /// Each request's memory stays valid, and is neither read (for a read) nor written (for
+    /// either) by anyone else, until the ticket completes: the kernel or the I/O threads write
+    /// into it (reads) or read it (writes) after this returns.
+    pub unsafe fn submit(&self, reqs: &[Request]) -> Result<Ticket> {
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         let mut chunks = Vec::new();
         for r in reqs {
@@ -455,7 +450,7 @@ impl Drop for Engine {
 }
 
 /// One chunk with `pread`/`pwrite`, looping over short transfers.
-fn run_blocking(c: &Chunk) -> Option<IoError> {
+fn run_blocking(c: &Chunk) -> Option<Error> {
     if let Some(e) = c.fault {
         return Some(c.error(e));
     }
@@ -669,7 +664,8 @@ mod tests {
                 len,
                 offset,
             };
-            eng.submit(&[req]).unwrap().wait()
+            // SAFETY: the buffers outlive the wait, and nothing else touches them.
+            unsafe { eng.submit(&[req]) }.unwrap().wait()
         };
         transfer(true, a.buf(n).as_ptr() as usize, n, 0).unwrap();
         let mut b = Aligned::new(n);
@@ -679,11 +675,11 @@ mod tests {
         // A fault: the next read fails with the errno, naming the file.
         eng.inject_fault(false, libc::EIO, 0);
         let e = transfer(false, addr, ALIGN, 0).unwrap_err();
-        assert_eq!(e.errno, libc::EIO);
-        assert!(e.message.contains("f.bin"), "{}", e.message);
+        assert!(matches!(e, Error::Io(libc::EIO, _)), "{e:?}");
+        assert!(e.message().contains("f.bin"), "{e}");
         // Reading past the end is a truncation error, not silent zeros.
         let e = transfer(false, addr, ALIGN, n as u64).unwrap_err();
-        assert!(e.message.contains("truncated"), "{}", e.message);
+        assert!(e.message().contains("truncated"), "{e}");
         // An existing file opened to read: any offset, any length, any address.
         let (r, size) = eng.open_read(path.to_str().unwrap()).unwrap();
         assert_eq!(size, n as u64);
@@ -695,7 +691,8 @@ mod tests {
             len: 1000,
             offset: 13,
         };
-        eng.submit(&[req]).unwrap().wait().unwrap();
+        // SAFETY: as above.
+        unsafe { eng.submit(&[req]) }.unwrap().wait().unwrap();
         assert_eq!(&c[1..], &a.buf(n)[13..1013]);
         assert!(eng.open_read(dir.join("missing").to_str().unwrap()).is_err());
         drop(eng);

@@ -11,6 +11,8 @@
 
 use std::sync::OnceLock;
 
+use crate::error::{Error, Result};
+
 use crate::elem::{bf16_to_f32, f16_to_f32, f32_to_bf16, f32_to_f16};
 
 /// Lanes of one block: the kernel's unit of work, whatever the vector width.
@@ -96,8 +98,8 @@ impl Simd {
 
 /// The path used when a caller names none: `OFFLOAD_ADAM_SIMD` if set, else the best one.
 /// Read once; an unknown or unsupported name is an error the caller reports.
-pub fn default_simd() -> Result<Simd, String> {
-    static CHOICE: OnceLock<Result<Simd, String>> = OnceLock::new();
+pub fn default_simd() -> Result<Simd> {
+    static CHOICE: OnceLock<Result<Simd>> = OnceLock::new();
     CHOICE
         .get_or_init(|| match std::env::var("OFFLOAD_ADAM_SIMD") {
             Ok(v) if !v.trim().is_empty() && v.trim() != "auto" => resolve(&v),
@@ -107,16 +109,18 @@ pub fn default_simd() -> Result<Simd, String> {
 }
 
 /// Parse a path name and check that this CPU runs it.
-pub fn resolve(name: &str) -> Result<Simd, String> {
+pub fn resolve(name: &str) -> Result<Simd> {
     let s = Simd::parse(name).ok_or_else(|| {
-        format!("unknown SIMD path {name:?}: expected one of scalar, avx2, avx512, avx512bf16, neon, auto")
+        Error::Value(format!(
+            "unknown SIMD path {name:?}: expected one of scalar, avx2, avx512, avx512bf16, neon, auto"
+        ))
     })?;
     if !s.supported() {
         let have: Vec<_> = Simd::available().iter().map(|s| s.name()).collect();
-        return Err(format!(
+        return Err(Error::Value(format!(
             "SIMD path {name:?} is not supported by this CPU (available: {})",
             have.join(", ")
-        ));
+        )));
     }
     Ok(s)
 }

@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use rayon::{ThreadPool, ThreadPoolBuilder};
 
+use crate::error::{Error, Result};
+
 struct Entry {
     threads: usize,
     pid: u32,
@@ -18,9 +20,9 @@ struct Entry {
 static POOLS: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
 
 /// The pool of `threads` threads for this process (None for one thread: run on the caller).
-pub fn get(threads: usize) -> Result<Option<Arc<ThreadPool>>, String> {
+pub fn get(threads: usize) -> Result<Option<Arc<ThreadPool>>> {
     if threads == 0 {
-        return Err("num_threads must be at least 1".into());
+        return Err(Error::Value("num_threads must be at least 1".into()));
     }
     if threads == 1 {
         return Ok(None);
@@ -38,7 +40,7 @@ pub fn get(threads: usize) -> Result<Option<Arc<ThreadPool>>, String> {
         .num_threads(threads)
         .thread_name(|i| format!("offload-adam-{i}"))
         .build()
-        .map_err(|e| format!("cannot start {threads} threads: {e}"))?;
+        .map_err(|e| Error::Runtime(format!("cannot start {threads} threads: {e}")))?;
     let pool = Arc::new(pool);
     pools.push(Entry {
         threads,

@@ -53,6 +53,7 @@ class StateSet:
         landing: Sequence[Tensor | None] | None = None,
         landing_slots: Sequence[tuple[int, int]] | None = None,
         moments: Sequence[tuple[int, bool]] | None = None,
+        comp: Tensor | None = None,
     ) -> StateSet: ...
     def set_max_exp_avg_sq(self, buf: Tensor) -> None: ...
     @property

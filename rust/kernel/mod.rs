@@ -41,7 +41,7 @@ pub struct Hyper {
 
 impl Hyper {
     /// Checks torch's constraints; the message names the offending hyper-parameter.
-    pub fn validate(&self) -> std::result::Result<(), String> {
+    pub fn validate(&self) -> Result<()> {
         let Hyper {
             lr,
             beta1,
@@ -52,22 +52,22 @@ impl Hyper {
             ..
         } = *self;
         if !(lr >= 0.0) || lr.is_infinite() {
-            return Err(format!("Invalid learning rate: {lr}"));
+            return Err(Error::Value(format!("Invalid learning rate: {lr}")));
         }
         if !(eps >= 0.0) {
-            return Err(format!("Invalid epsilon value: {eps}"));
+            return Err(Error::Value(format!("Invalid epsilon value: {eps}")));
         }
         if !(0.0..1.0).contains(&beta1) {
-            return Err(format!("Invalid beta parameter at index 0: {beta1}"));
+            return Err(Error::Value(format!("Invalid beta parameter at index 0: {beta1}")));
         }
         if !(0.0..1.0).contains(&beta2) {
-            return Err(format!("Invalid beta parameter at index 1: {beta2}"));
+            return Err(Error::Value(format!("Invalid beta parameter at index 1: {beta2}")));
         }
         if !(weight_decay >= 0.0) {
-            return Err(format!("Invalid weight_decay value: {weight_decay}"));
+            return Err(Error::Value(format!("Invalid weight_decay value: {weight_decay}")));
         }
         if grad_scale.is_nan() {
-            return Err(format!("Invalid grad_scale: {grad_scale}"));
+            return Err(Error::Value(format!("Invalid grad_scale: {grad_scale}")));
         }
         Ok(())
     }
@@ -163,6 +163,14 @@ pub struct Q8Mut<'a> {
     pub absmax: &'a mut [f32],
 }
 
+/// bfloat16 weights without a float32 master (`master_dtype=torch.bfloat16`): each step's update
+/// is computed in float32 and added with Kahan compensation, `comp` holding what the weight's
+/// rounding lost (torch-optimi's `kahan_sum`).
+pub struct Kahan<'a> {
+    pub w: &'a mut [Bf16],
+    pub comp: &'a mut [Bf16],
+}
+
 /// Low-precision copy of the updated weights, written in the same pass.
 pub enum OutMut<'a> {
     None,
@@ -212,16 +220,16 @@ impl<'a> StateMut<'a> {
         }
     }
     /// A quantized moment's length and absmax agree (whole blocks).
-    fn check_q8(&self, what: &str) -> std::result::Result<(), String> {
+    fn check_q8(&self, what: &str) -> Result<()> {
         if let StateMut::Q8 { codes, absmax } = self {
             if !codes.len().is_multiple_of(q8::QBLOCK) || absmax.len() != codes.len() / q8::QBLOCK {
-                return Err(format!(
+                return Err(Error::Value(format!(
                     "{what}: {} codes need {} absmax values, got {} (whole blocks of {})",
                     codes.len(),
                     codes.len() / q8::QBLOCK,
                     absmax.len(),
                     q8::QBLOCK
-                ));
+                )));
             }
         }
         Ok(())
@@ -290,35 +298,52 @@ pub struct Segment<'a> {
     pub exp_avg_sq: StateMut<'a>,
     pub max_exp_avg_sq: Option<StateMut<'a>>,
     pub out: OutMut<'a>,
+    /// The weights in bfloat16 with Kahan compensation, instead of `param` (then empty).
+    pub kahan: Option<Kahan<'a>>,
 }
 
 impl<'a> Segment<'a> {
     pub fn len(&self) -> usize {
-        self.param.len()
+        self.kahan.as_ref().map_or(self.param.len(), |k| k.w.len())
     }
     pub fn is_empty(&self) -> bool {
-        self.param.is_empty()
+        self.len() == 0
     }
 
     /// Lengths agree, moments share one dtype, amsgrad has its buffer.
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        let n = self.param.len();
+    pub fn validate(&self) -> Result<()> {
+        let n = self.len();
+        if let Some(k) = &self.kahan {
+            if !self.param.is_empty() || !matches!(self.out, OutMut::None) || matches!(self.grad, GradRef::InOut) {
+                return Err(Error::Value(
+                    "Kahan weights take the place of the master, the copy and a gradient in it".into(),
+                ));
+            }
+            if k.comp.len() != n {
+                return Err(Error::Value(format!(
+                    "the Kahan compensation has {} elements, the weights {n}",
+                    k.comp.len()
+                )));
+            }
+        }
         let check = |what: &str, len: usize| {
             if len != n {
-                Err(format!("{what} has {len} elements, the parameter {n}"))
+                Err(Error::Value(format!("{what} has {len} elements, the parameter {n}")))
             } else {
                 Ok(())
             }
         };
         match (&self.grad, &self.out) {
-            (GradRef::InOut, OutMut::None) => return Err("a gradient in the copy's buffer needs that buffer".into()),
+            (GradRef::InOut, OutMut::None) => {
+                return Err(Error::Value("a gradient in the copy's buffer needs that buffer".into()))
+            }
             (GradRef::InOut, _) => {}
             _ => check("grad", self.grad.len())?,
         }
         check("exp_avg", self.exp_avg.len())?;
         check("exp_avg_sq", self.exp_avg_sq.len())?;
         if self.exp_avg.codec() != self.exp_avg_sq.codec() {
-            return Err("exp_avg and exp_avg_sq must have the same dtype".into());
+            return Err(Error::Value("exp_avg and exp_avg_sq must have the same dtype".into()));
         }
         self.exp_avg.check_q8("exp_avg")?;
         self.exp_avg_sq.check_q8("exp_avg_sq")?;
@@ -326,11 +351,11 @@ impl<'a> Segment<'a> {
             (Some(v), _) => {
                 check("max_exp_avg_sq", v.len())?;
                 if v.codec() != self.exp_avg.codec() {
-                    return Err("max_exp_avg_sq must have the dtype of exp_avg".into());
+                    return Err(Error::Value("max_exp_avg_sq must have the dtype of exp_avg".into()));
                 }
                 v.check_q8("max_exp_avg_sq")?;
             }
-            (None, true) => return Err("amsgrad needs max_exp_avg_sq".into()),
+            (None, true) => return Err(Error::Value("amsgrad needs max_exp_avg_sq".into())),
             (None, false) => {}
         }
         if let Some(len) = self.out.len_if_any() {
@@ -340,7 +365,7 @@ impl<'a> Segment<'a> {
     }
 
     fn split_at(self, mid: usize) -> (Segment<'a>, Segment<'a>) {
-        let (p0, p1) = self.param.split_at_mut(mid);
+        let (p0, p1) = self.param.split_at_mut(if self.kahan.is_some() { 0 } else { mid });
         let (g0, g1) = self.grad.split_at(mid);
         let (m0, m1) = self.exp_avg.split_at(mid);
         let (v0, v1) = self.exp_avg_sq.split_at(mid);
@@ -352,7 +377,15 @@ impl<'a> Segment<'a> {
             None => (None, None),
         };
         let (o0, o1) = self.out.split_at(mid);
-        let mk = |param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out| Segment {
+        let (k0, k1) = match self.kahan {
+            Some(Kahan { w, comp }) => {
+                let (w0, w1) = w.split_at_mut(mid);
+                let (c0, c1) = comp.split_at_mut(mid);
+                (Some(Kahan { w: w0, comp: c0 }), Some(Kahan { w: w1, comp: c1 }))
+            }
+            None => (None, None),
+        };
+        let mk = |param, grad, exp_avg, exp_avg_sq, max_exp_avg_sq, out, kahan| Segment {
             consts: self.consts,
             amsgrad: self.amsgrad,
             param,
@@ -361,8 +394,9 @@ impl<'a> Segment<'a> {
             exp_avg_sq,
             max_exp_avg_sq,
             out,
+            kahan,
         };
-        (mk(p0, g0, m0, v0, x0, o0), mk(p1, g1, m1, v1, x1, o1))
+        (mk(p0, g0, m0, v0, x0, o0, k0), mk(p1, g1, m1, v1, x1, o1, k1))
     }
 
     /// Cuts the segment into pieces of at most `max` elements (`max` a multiple of LANES).
@@ -469,6 +503,9 @@ impl BlockIo for F16 {
 
 /// Takes the model's value as master weight where the low-precision copy was written by someone
 /// else (see [`Segment`]).
+///
+/// # Safety
+/// The CPU supports `I`.
 #[inline(always)]
 unsafe fn resync<I: Isa, O: BlockIo>(p: &mut Block, o: &[O; LANES]) {
     let (rounded, old) = unsafe { (O::store::<I>(p), O::load::<I>(o)) };
@@ -479,8 +516,13 @@ unsafe fn resync<I: Isa, O: BlockIo>(p: &mut Block, o: &[O; LANES]) {
     }
 }
 
+/// One lane block of the float update, in the fast paths' form (see the module documentation);
+/// with `DELTA`, `p` gets the update instead of the new weight.
+///
+/// # Safety
+/// The CPU supports `I`.
 #[inline(always)]
-unsafe fn update_block<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
+unsafe fn update_block<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool, const DELTA: bool>(
     c: &Consts,
     p: &mut Block,
     g: &[G; LANES],
@@ -509,7 +551,12 @@ unsafe fn update_block<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
             vi
         };
         let denom = vhat.sqrt().mul_add(c.inv_bc2_sqrt, c.eps);
-        p[i] = c.neg_step_size.mul_add(mi / denom, param);
+        // DELTA: the update itself (decay included), for Kahan weights to add.
+        p[i] = if DELTA {
+            (param - p[i]) + c.neg_step_size * (mi / denom)
+        } else {
+            c.neg_step_size.mul_add(mi / denom, param)
+        };
         ea[i] = mi;
         eas[i] = vi;
     }
@@ -524,6 +571,11 @@ unsafe fn update_block<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     }
 }
 
+/// Resyncs the master from (`STORE` false) or stores it into (`STORE` true) block `b` of the
+/// low-precision copy, if there is one.
+///
+/// # Safety
+/// The CPU supports `I`; `b` is a full block of `out` (not checked).
 #[inline(always)]
 unsafe fn out_block<I: Isa, const STORE: bool>(p: &mut Block, out: &mut OutMut<'_>, b: usize) {
     // `b` indexes a full block of `out`, whose length the caller checked.
@@ -611,7 +663,7 @@ unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
             let pk = pb.get_unchecked_mut(b);
             out_block::<I, false>(pk, out, b);
             let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
-            update_block::<I, G, S, AMS>(
+            update_block::<I, G, S, AMS, false>(
                 c,
                 pk,
                 gb.get_unchecked(b),
@@ -646,7 +698,7 @@ unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     // SAFETY: as above; `o` holds exactly one block.
     unsafe {
         out_block::<I, false>(&mut p1, &mut o, 0);
-        update_block::<I, G, S, AMS>(c, &mut p1, &pad(gt), &mut m1, &mut v1, AMS.then_some(&mut x1));
+        update_block::<I, G, S, AMS, false>(c, &mut p1, &pad(gt), &mut m1, &mut v1, AMS.then_some(&mut x1));
         out_block::<I, true>(&mut p1, &mut o, 0);
     }
     pt.copy_from_slice(&p1[..r]);
@@ -694,7 +746,7 @@ unsafe fn body_inout<I: Isa, O: BlockIo, S: BlockIo, const AMS: bool>(
             let ok = ob.get_unchecked_mut(b);
             let g = *ok;
             let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
-            update_block::<I, O, S, AMS>(c, pk, &g, mb.get_unchecked_mut(b), vb.get_unchecked_mut(b), x);
+            update_block::<I, O, S, AMS, false>(c, pk, &g, mb.get_unchecked_mut(b), vb.get_unchecked_mut(b), x);
             *ok = O::store::<I>(pk);
         }
     }
@@ -708,7 +760,7 @@ unsafe fn body_inout<I: Isa, O: BlockIo, S: BlockIo, const AMS: bool>(
     let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
     // SAFETY: as above.
     let o1 = unsafe {
-        update_block::<I, O, S, AMS>(c, &mut p1, &g1, &mut m1, &mut v1, AMS.then_some(&mut x1));
+        update_block::<I, O, S, AMS, false>(c, &mut p1, &g1, &mut m1, &mut v1, AMS.then_some(&mut x1));
         O::store::<I>(&p1)
     };
     pt.copy_from_slice(&p1[..r]);
@@ -720,7 +772,100 @@ unsafe fn body_inout<I: Isa, O: BlockIo, S: BlockIo, const AMS: bool>(
     }
 }
 
+/// Adds the update `u` to bfloat16 weights `w` (float32 `p0`) with Kahan compensation `comp`,
+/// in torch-optimi's order, each step rounded to bfloat16: `c = c + u`, `w = p0 + c`,
+/// `c = c + (p0 - w)`.
+///
+/// # Safety
+/// The CPU supports `I`.
+#[inline(always)]
+unsafe fn kahan_add<I: Isa>(w: &mut [Bf16; LANES], comp: &mut [Bf16; LANES], p0: &Block, u: &Block) {
+    let round = |x: Block| unsafe { Bf16::load::<I>(&Bf16::store::<I>(&x)) };
+    let c0 = unsafe { Bf16::load::<I>(comp) };
+    let c1 = round(std::array::from_fn(|i| c0[i] + u[i]));
+    let p1 = round(std::array::from_fn(|i| p0[i] + c1[i]));
+    let lost = round(std::array::from_fn(|i| p0[i] - p1[i]));
+    let c2: Block = std::array::from_fn(|i| c1[i] + lost[i]);
+    unsafe {
+        *w = Bf16::store::<I>(&p1);
+        *comp = Bf16::store::<I>(&c2);
+    }
+}
+
+/// The block loop of bfloat16 weights with Kahan compensation and float moments: the update of
+/// each lane block (`update_block` with `DELTA`) added by [`kahan_add`].
+///
+/// # Safety
+/// The CPU supports `I`; all slices have `w.len()` elements (`vmax` too when `AMS`).
+#[inline(always)]
+unsafe fn body_kahan<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
+    c: &Consts,
+    w: &mut [Bf16],
+    comp: &mut [Bf16],
+    g: &[G],
+    m: &mut [S],
+    v: &mut [S],
+    vmax: &mut [S],
+) {
+    let n = w.len();
+    let full = n / LANES;
+    let (wb, wt) = w.as_chunks_mut::<LANES>();
+    let (cb, ct) = comp.as_chunks_mut::<LANES>();
+    let (gb, gt) = g.as_chunks::<LANES>();
+    let (mb, mt) = m.as_chunks_mut::<LANES>();
+    let (vb, vt) = v.as_chunks_mut::<LANES>();
+    let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+    // SAFETY: equal lengths (the caller's), so `full` blocks in each; CPU support is the caller's.
+    unsafe {
+        for b in 0..full {
+            let ahead = (b + PREFETCH_BLOCKS).min(full - 1);
+            I::prefetch(wb.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(cb.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(gb.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(mb.as_ptr().wrapping_add(ahead) as *const u8);
+            I::prefetch(vb.as_ptr().wrapping_add(ahead) as *const u8);
+            let wk = wb.get_unchecked_mut(b);
+            let p0 = Bf16::load::<I>(wk);
+            let mut u = p0;
+            let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
+            update_block::<I, G, S, AMS, true>(
+                c,
+                &mut u,
+                gb.get_unchecked(b),
+                mb.get_unchecked_mut(b),
+                vb.get_unchecked_mut(b),
+                x,
+            );
+            kahan_add::<I>(wk, cb.get_unchecked_mut(b), &p0, &u);
+        }
+    }
+    let r = n - full * LANES;
+    if r == 0 {
+        return;
+    }
+    let (mut w1, mut c1) = (pad(wt), pad(ct));
+    let (mut m1, mut v1) = (pad(mt), pad(vt));
+    let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
+    // SAFETY: as above, on padded blocks.
+    unsafe {
+        let p0 = Bf16::load::<I>(&w1);
+        let mut u = p0;
+        update_block::<I, G, S, AMS, true>(c, &mut u, &pad(gt), &mut m1, &mut v1, AMS.then_some(&mut x1));
+        kahan_add::<I>(&mut w1, &mut c1, &p0, &u);
+    }
+    wt.copy_from_slice(&w1[..r]);
+    ct.copy_from_slice(&c1[..r]);
+    mt.copy_from_slice(&m1[..r]);
+    vt.copy_from_slice(&v1[..r]);
+    if AMS {
+        xt.copy_from_slice(&x1[..r]);
+    }
+}
+
 /// Sum of squares in f64, lane-wise then in a fixed order.
+///
+/// # Safety
+/// The CPU supports `I`.
 #[inline(always)]
 unsafe fn sq_norm_body<I: Isa, G: BlockIo>(g: &[G]) -> f64 {
     let (gb, gt) = g.as_chunks::<LANES>();
@@ -794,6 +939,17 @@ trait Path {
         v: Q8Mut<'_>,
         x: Option<Q8Mut<'_>>,
         out: &mut OutMut<'_>,
+        kahan: Option<Kahan<'_>>,
+    );
+    /// # Safety
+    /// As for [`body_kahan`].
+    unsafe fn update_kahan<G: BlockIo, S: BlockIo, const AMS: bool>(
+        c: &Consts,
+        k: Kahan<'_>,
+        g: &[G],
+        m: &mut [S],
+        v: &mut [S],
+        vmax: &mut [S],
     );
     /// # Safety
     /// The CPU supports the path.
@@ -836,16 +992,28 @@ macro_rules! path {
             #[inline]
             unsafe fn update_q8<G: BlockIo, const AMS: bool>(
                 c: &Consts, p: &mut [f32], g: Option<&[G]>, m: Q8Mut<'_>, v: Q8Mut<'_>, x: Option<Q8Mut<'_>>,
-                out: &mut OutMut<'_>,
+                out: &mut OutMut<'_>, kahan: Option<Kahan<'_>>,
             ) {
                 $(#[target_feature(enable = $features)])?
                 unsafe fn f<G: BlockIo, const AMS: bool>(
                     c: &Consts, p: &mut [f32], g: Option<&[G]>, m: Q8Mut<'_>, v: Q8Mut<'_>, x: Option<Q8Mut<'_>>,
-                    out: &mut OutMut<'_>,
+                    out: &mut OutMut<'_>, kahan: Option<Kahan<'_>>,
                 ) {
-                    unsafe { q8::body::<$isa, G, AMS>(c, p, g, m, v, x, out) }
+                    unsafe { q8::body::<$isa, G, AMS>(c, p, g, m, v, x, out, kahan) }
                 }
-                unsafe { f::<G, AMS>(c, p, g, m, v, x, out) }
+                unsafe { f::<G, AMS>(c, p, g, m, v, x, out, kahan) }
+            }
+            #[inline]
+            unsafe fn update_kahan<G: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts, k: Kahan<'_>, g: &[G], m: &mut [S], v: &mut [S], vmax: &mut [S],
+            ) {
+                $(#[target_feature(enable = $features)])?
+                unsafe fn f<G: BlockIo, S: BlockIo, const AMS: bool>(
+                    c: &Consts, k: Kahan<'_>, g: &[G], m: &mut [S], v: &mut [S], vmax: &mut [S],
+                ) {
+                    unsafe { body_kahan::<$isa, G, S, AMS>(c, k.w, k.comp, g, m, v, vmax) }
+                }
+                unsafe { f::<G, S, AMS>(c, k, g, m, v, vmax) }
             }
             #[inline]
             unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
@@ -931,13 +1099,27 @@ impl Path for ScalarPath {
         v: Q8Mut<'_>,
         x: Option<Q8Mut<'_>>,
         out: &mut OutMut<'_>,
+        kahan: Option<Kahan<'_>>,
     ) {
         let (g, inout) = (g.unwrap_or(&[]), g.is_none());
         match out {
-            OutMut::None => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, None, false),
-            OutMut::Bf16(o) => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout),
-            OutMut::F16(o) => q8::update_ref::<G, F16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout),
+            OutMut::None => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, None, false, kahan),
+            OutMut::Bf16(o) => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout, None),
+            OutMut::F16(o) => q8::update_ref::<G, F16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout, None),
         }
+    }
+    /// The Kahan mode has no element-by-element specification of its own: it is the portable
+    /// path's block code (the tests check its plumbing; torch-optimi checks its arithmetic).
+    unsafe fn update_kahan<G: BlockIo, S: BlockIo, const AMS: bool>(
+        c: &Consts,
+        k: Kahan<'_>,
+        g: &[G],
+        m: &mut [S],
+        v: &mut [S],
+        vmax: &mut [S],
+    ) {
+        // SAFETY: the portable path runs on every CPU.
+        unsafe { GenericPath::update_kahan::<G, S, AMS>(c, k, g, m, v, vmax) }
     }
     unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
         g.iter().map(|x| (x.to_f32() as f64) * (x.to_f32() as f64)).sum()
@@ -993,7 +1175,40 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
         exp_avg_sq,
         max_exp_avg_sq,
         mut out,
+        kahan,
     } = s;
+    let (kahan, float_kahan) = match kahan {
+        Some(k) if !matches!(exp_avg, StateMut::Q8 { .. }) => (None, Some(k)),
+        k => (k, None),
+    };
+    if let Some(k) = float_kahan {
+        macro_rules! kh {
+            ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
+                // SAFETY: lengths validated; path support is the caller's contract.
+                unsafe { P::update_kahan::<_, _, $ams>(&consts, k, $g, $m, $v, $x) }
+            };
+        }
+        macro_rules! by_state_k {
+            ($g:expr) => {
+                match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
+                    (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => kh!(true, $g, m, v, x),
+                    (StateMut::F32(m), StateMut::F32(v), _) => kh!(false, $g, m, v, &mut []),
+                    (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => {
+                        kh!(true, $g, m, v, x)
+                    }
+                    (StateMut::Bf16(m), StateMut::Bf16(v), _) => kh!(false, $g, m, v, &mut []),
+                    _ => unreachable!("validated: moments share one dtype"),
+                }
+            };
+        }
+        match grad {
+            GradRef::F32(g) => by_state_k!(g),
+            GradRef::Bf16(g) => by_state_k!(g),
+            GradRef::F16(g) => by_state_k!(g),
+            GradRef::InOut => unreachable!("validated: Kahan weights read their gradient"),
+        }
+        return;
+    }
     if let StateMut::Q8 { .. } = exp_avg {
         fn q(s: StateMut<'_>) -> Q8Mut<'_> {
             match s {
@@ -1008,9 +1223,9 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
                 // SAFETY: lengths validated (whole blocks); path support is the caller's contract.
                 unsafe {
                     if amsgrad {
-                        P::update_q8::<_, true>(&consts, param, $g, m, v, x, &mut out)
+                        P::update_q8::<_, true>(&consts, param, $g, m, v, x, &mut out, kahan)
                     } else {
-                        P::update_q8::<_, false>(&consts, param, $g, m, v, x, &mut out)
+                        P::update_q8::<_, false>(&consts, param, $g, m, v, x, &mut out, kahan)
                     }
                 }
             };
@@ -1176,7 +1391,7 @@ pub fn adam_step(simd: Simd, pool: Pool<'_>, segments: Vec<Segment<'_>>) -> Resu
         }
     }
     for (i, s) in segments.iter().enumerate() {
-        s.validate().map_err(|e| Error::Value(format!("segment {i}: {e}")))?;
+        s.validate().map_err(|e| e.context(&format!("segment {i}")))?;
     }
     let mut chunks = Vec::with_capacity(segments.len());
     for s in segments {
@@ -1421,6 +1636,7 @@ mod tests {
                 exp_avg_sq: StateMut::F32(&mut b.v),
                 max_exp_avg_sq: Some(StateMut::F32(&mut b.x)),
                 out: OutMut::None,
+                kahan: None,
             };
             adam_step(simd, pool.as_deref(), vec![seg]).unwrap();
         }
@@ -1566,6 +1782,7 @@ mod tests {
                                     exp_avg_sq: v,
                                     max_exp_avg_sq: Some(x),
                                     out,
+                                    kahan: None,
                                 };
                                 adam_step(s, None, vec![seg]).unwrap();
                             }
@@ -1624,6 +1841,7 @@ mod tests {
                         exp_avg_sq: StateMut::F32(&mut v),
                         max_exp_avg_sq: Some(StateMut::F32(&mut x)),
                         out: OutMut::Bf16(&mut o),
+                        kahan: None,
                     };
                     adam_step(simd, crate::pool::get(2).unwrap().as_deref(), vec![seg]).unwrap();
                     (p, m, o)
@@ -1703,6 +1921,7 @@ mod tests {
             exp_avg_sq: StateMut::F32(&mut v2),
             max_exp_avg_sq: None,
             out: OutMut::None,
+            kahan: None,
         };
         let bad = Segment {
             consts: Consts::new(&h, 1),
@@ -1713,6 +1932,7 @@ mod tests {
             exp_avg_sq: StateMut::F32(&mut v),
             max_exp_avg_sq: None,
             out: OutMut::None,
+            kahan: None,
         };
         let err = adam_step(Simd::best(), None, vec![good, bad]).unwrap_err();
         assert!(err.message().contains("exp_avg_sq has 7 elements"), "{err}");
@@ -1720,10 +1940,14 @@ mod tests {
         assert_eq!(p2, vec![1.0f32; 4]);
         let mut h2 = h;
         h2.beta2 = 1.0;
-        assert!(h2.validate().unwrap_err().contains("beta parameter at index 1"));
+        assert!(h2
+            .validate()
+            .unwrap_err()
+            .message()
+            .contains("beta parameter at index 1"));
         h2 = h;
         h2.lr = f64::NAN;
-        assert!(h2.validate().unwrap_err().contains("learning rate"));
+        assert!(h2.validate().unwrap_err().message().contains("learning rate"));
     }
 
     #[test]
@@ -1824,6 +2048,7 @@ mod tests {
                     } else {
                         OutMut::Bf16(&mut self.o)
                     },
+                    kahan: None,
                 };
                 adam_step(simd, pool.as_deref(), vec![seg]).unwrap();
             }
@@ -1879,6 +2104,7 @@ mod tests {
                 exp_avg_sq: StateMut::F32(&mut f.v),
                 max_exp_avg_sq: None,
                 out: OutMut::None,
+                kahan: None,
             };
             adam_step(Simd::best(), pool.as_deref(), vec![seg]).unwrap();
         }
@@ -1915,8 +2141,139 @@ mod tests {
             },
             max_exp_avg_sq: None,
             out: OutMut::None,
+            kahan: None,
         };
         let e = adam_step(Simd::Scalar, None, vec![seg]).unwrap_err();
         assert!(e.message().contains("whole blocks"), "{e}");
+    }
+
+    /// bf16 weights with Kahan compensation, float or quantized moments: `steps` updates.
+    fn run_kahan(
+        n: usize,
+        q8: bool,
+        amsgrad: bool,
+        simd: Simd,
+        threads: usize,
+        steps: u64,
+        lr: f64,
+    ) -> (Vec<Bf16>, Vec<Bf16>) {
+        let h = Hyper {
+            lr,
+            ..hyper(true, amsgrad, false, 0.01)
+        };
+        let mut r = Rng(31);
+        let mut w: Vec<Bf16> = r.vec(n, 1.0).iter().map(|x| Bf16::from_f32(*x)).collect();
+        let mut comp = vec![Bf16::default(); n];
+        let (mut m, mut v, mut x) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
+        let b = n / q8::QBLOCK;
+        let (mut mc, mut vc, mut xc) = (vec![0u8; n], vec![0u8; n], vec![0u8; n]);
+        let (mut ms, mut vs, mut xs) = (vec![0.0f32; b], vec![0.0f32; b], vec![0.0f32; b]);
+        let pool = crate::pool::get(threads).unwrap();
+        for t in 1..=steps {
+            let g: Vec<f32> = r.vec(n, 0.1);
+            let (em, ev, ex) = if q8 {
+                (
+                    StateMut::Q8 {
+                        codes: &mut mc,
+                        absmax: &mut ms,
+                    },
+                    StateMut::Q8 {
+                        codes: &mut vc,
+                        absmax: &mut vs,
+                    },
+                    StateMut::Q8 {
+                        codes: &mut xc,
+                        absmax: &mut xs,
+                    },
+                )
+            } else {
+                (StateMut::F32(&mut m), StateMut::F32(&mut v), StateMut::F32(&mut x))
+            };
+            let seg = Segment {
+                consts: Consts::new(&h, t),
+                amsgrad,
+                param: &mut [],
+                grad: GradRef::F32(&g),
+                exp_avg: em,
+                exp_avg_sq: ev,
+                max_exp_avg_sq: Some(ex),
+                out: OutMut::None,
+                kahan: Some(Kahan {
+                    w: &mut w,
+                    comp: &mut comp,
+                }),
+            };
+            adam_step(simd, pool.as_deref(), vec![seg]).unwrap();
+        }
+        (w, comp)
+    }
+
+    #[test]
+    fn kahan_weights_are_the_same_on_every_path_and_thread_count() {
+        for q8 in [false, true] {
+            for amsgrad in [false, true] {
+                let n = if q8 { CHUNK + 4096 } else { CHUNK + 4096 + 7 }; // a tail of 7 without blocks
+                let want = run_kahan(n, q8, amsgrad, Simd::Scalar, 1, 5, 1e-3);
+                for simd in Simd::available() {
+                    for threads in [1, 3] {
+                        let got = run_kahan(n, q8, amsgrad, simd, threads, 5, 1e-3);
+                        assert!(
+                            got == want,
+                            "{} threads {threads} q8 {q8} amsgrad {amsgrad}",
+                            simd.name()
+                        );
+                    }
+                }
+                assert!(
+                    want.1.iter().any(|c| c.to_f32() != 0.0),
+                    "the compensation holds something"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn kahan_weights_keep_updates_that_bf16_rounding_loses() {
+        // Updates far below half a bf16 ulp: plain rounding keeps none; Kahan accumulates them,
+        // the weight plus its compensation following the fp32 master.
+        let n = 4096;
+        let (lr, steps) = (1e-5, 200);
+        let (w, comp) = run_kahan(n, false, false, Simd::best(), 1, steps, lr);
+        let mut f = Bufs::new(n, 0);
+        let mut r = Rng(31);
+        f.p = r.vec(n, 1.0).iter().map(|x| Bf16::from_f32(*x).to_f32()).collect();
+        f.m.fill(0.0);
+        f.v.fill(0.0);
+        let h = Hyper {
+            lr,
+            ..hyper(true, false, false, 0.01)
+        };
+        for t in 1..=steps {
+            let g = r.vec(n, 0.1);
+            let seg = Segment {
+                consts: Consts::new(&h, t),
+                amsgrad: false,
+                param: &mut f.p,
+                grad: GradRef::F32(&g),
+                exp_avg: StateMut::F32(&mut f.m),
+                exp_avg_sq: StateMut::F32(&mut f.v),
+                max_exp_avg_sq: None,
+                out: OutMut::None,
+                kahan: None,
+            };
+            adam_step(Simd::best(), None, vec![seg]).unwrap();
+        }
+        let mut r0 = Rng(31);
+        let start: Vec<f32> = r0.vec(n, 1.0).iter().map(|x| Bf16::from_f32(*x).to_f32()).collect();
+        let (mut kahan_err, mut moved, mut w_moved) = (0.0f64, 0.0f64, 0usize);
+        for i in 0..n {
+            let sum = w[i].to_f32() as f64 + comp[i].to_f32() as f64;
+            kahan_err += (sum - f.p[i] as f64).abs();
+            moved += (f.p[i] - start[i]).abs() as f64;
+            w_moved += (w[i].to_f32() != start[i]) as usize;
+        }
+        assert!(kahan_err < 0.05 * moved, "{kahan_err} vs {moved}");
+        // Plain bf16 rounding of each update would move none of them.
+        assert!(w_moved > n / 100, "the bf16 weights moved: {w_moved} of {n}");
     }
 }

@@ -16,7 +16,8 @@
 
 use std::sync::OnceLock;
 
-use super::{maps, nan_max, out_block, BlockIo, Consts, OutMut, Q8Mut};
+use super::{maps, nan_max, out_block, BlockIo, Consts, Kahan, OutMut, Q8Mut};
+use crate::elem::Bf16;
 use crate::elem::Elem;
 use crate::isa::{Block, Generic, Isa, LANES};
 
@@ -245,8 +246,18 @@ fn lerp(a: f32, b: f32, w: f32, small: bool) -> f32 {
 /// + eps)` with one FMA and a multiply by `1 / sqrt(bc2)`), with the unquantized moments.
 ///
 /// Branch-free (selects on uniform flags), so that LLVM vectorizes the lane loop.
+///
+/// With `DELTA`, the first result is the update (decay included) instead of the new weight:
+/// what Kahan weights add.
 #[inline(always)]
-fn element<const AMS: bool>(c: &Consts, p: f32, g: f32, m: f32, v: f32, x: f32) -> (f32, f32, f32, f32) {
+fn element<const AMS: bool, const DELTA: bool>(
+    c: &Consts,
+    p: f32,
+    g: f32,
+    m: f32,
+    v: f32,
+    x: f32,
+) -> (f32, f32, f32, f32) {
     let g = g * c.gscale;
     let g_l2 = g + c.l2 * p;
     let g = if c.use_l2 { g_l2 } else { g };
@@ -254,7 +265,11 @@ fn element<const AMS: bool>(c: &Consts, p: f32, g: f32, m: f32, v: f32, x: f32) 
     let v = lerp(v, g * g, c.b2c, c.b2c.abs() < 0.5);
     let x = if AMS { nan_max(x, v) } else { v };
     let denom = x.sqrt().mul_add(c.inv_bc2_sqrt, c.eps);
-    let p = c.neg_step_size.mul_add(m / denom, p * c.decay);
+    let p = if DELTA {
+        (p * c.decay - p) + c.neg_step_size * (m / denom)
+    } else {
+        c.neg_step_size.mul_add(m / denom, p * c.decay)
+    };
     (p, m, v, x)
 }
 
@@ -306,8 +321,10 @@ pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
     mut x: Option<Q8Mut<'_>>,
     mut out: Option<&mut [O]>,
     inout: bool,
+    mut kahan: Option<Kahan<'_>>,
 ) {
-    for qb in 0..p.len() / QBLOCK {
+    let n = kahan.as_ref().map_or(p.len(), |k| k.w.len());
+    for qb in 0..n / QBLOCK {
         // SAFETY: the portable path runs on every CPU.
         let mut mm = unsafe { Moment::open::<Generic>(&mut m, signed(), qb) };
         let mut vv = unsafe { Moment::open::<Generic>(&mut v, unsigned(), qb) };
@@ -317,6 +334,7 @@ pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
         for j in 0..QBLOCK {
             let i = qb * QBLOCK + j;
             let gi = match out.as_deref_mut() {
+                _ if kahan.is_some() => 0.0, // read below
                 Some(o) if inout => {
                     let gi = o[i].to_f32();
                     o[i] = O::from_f32(p[i]); // the slot now holds the master: no resync
@@ -330,7 +348,20 @@ pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
                 }
             }
             let x0 = xx.as_ref().map_or(0.0, |x| x.x[j]);
-            let (pn, mn, vn, xn) = element::<AMS>(c, p[i], gi, mm.x[j], vv.x[j], x0);
+            if let Some(k) = kahan.as_mut() {
+                let p0 = k.w[i].to_f32();
+                let (u, mn, vn, xn) = element::<AMS, true>(c, p0, g[i].to_f32(), mm.x[j], vv.x[j], x0);
+                let c1 = Bf16::from_f32(k.comp[i].to_f32() + u).to_f32();
+                let p1 = Bf16::from_f32(p0 + c1);
+                let lost = Bf16::from_f32(p0 - p1.to_f32()).to_f32();
+                (k.w[i], k.comp[i]) = (p1, Bf16::from_f32(c1 + lost));
+                (mm.x[j], vv.x[j]) = (mn, vn);
+                if let Some(x) = xx.as_mut() {
+                    x.x[j] = xn;
+                }
+                continue;
+            }
+            let (pn, mn, vn, xn) = element::<AMS, false>(c, p[i], gi, mm.x[j], vv.x[j], x0);
             p[i] = pn;
             (mm.x[j], vv.x[j]) = (mn, vn);
             if let Some(x) = xx.as_mut() {
@@ -382,10 +413,15 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
     mut v: Q8Mut<'_>,
     mut x: Option<Q8Mut<'_>>,
     out: &mut OutMut<'_>,
+    kahan: Option<Kahan<'_>>,
 ) {
-    let full = p.len() / LANES;
+    let full = kahan.as_ref().map_or(p.len(), |k| k.w.len()) / LANES;
     let pb = p.as_chunks_mut::<LANES>().0;
     let gb = g.map(|g| g.as_chunks::<LANES>().0);
+    let (wb, cb) = match kahan {
+        Some(k) => (k.w.as_chunks_mut::<LANES>().0, k.comp.as_chunks_mut::<LANES>().0),
+        None => (&mut [][..], &mut [][..]),
+    };
     for qb in 0..full / SUB {
         // SAFETY: the CPU supports `I` (the caller's contract).
         let mut mm = unsafe { Moment::open::<I>(&mut m, signed(), qb) };
@@ -403,14 +439,21 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
                 let ahead = b + super::PREFETCH_BLOCKS;
                 if ahead < full {
                     I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
+                    I::prefetch(wb.as_ptr().wrapping_add(ahead) as *const u8);
                     if let Some(gb) = gb {
                         I::prefetch(gb.as_ptr().wrapping_add(ahead) as *const u8);
                     }
                 }
-                let pk = pb.get_unchecked_mut(b);
+                let kahan = !wb.is_empty();
+                let mut pk: Block = if kahan {
+                    Bf16::load::<I>(wb.get_unchecked(b))
+                } else {
+                    *pb.get_unchecked(b)
+                };
+                let p0 = pk;
                 let gk = match gb {
                     Some(gb) => {
-                        out_block::<I, false>(pk, out, b);
+                        out_block::<I, false>(&mut pk, out, b);
                         G::load::<I>(gb.get_unchecked(b))
                     }
                     None => out_grad::<I>(out, b),
@@ -422,7 +465,11 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
                 let mut xn = [0.0f32; LANES];
                 for i in 0..LANES {
                     let j = k * LANES + i;
-                    let (pn, mn, vn, xi) = element::<AMS>(c, pk[i], gk[i], mm.x[j], vv.x[j], x0[i]);
+                    let (pn, mn, vn, xi) = if kahan {
+                        element::<AMS, true>(c, pk[i], gk[i], mm.x[j], vv.x[j], x0[i])
+                    } else {
+                        element::<AMS, false>(c, pk[i], gk[i], mm.x[j], vv.x[j], x0[i])
+                    };
                     pk[i] = pn;
                     mm.x[j] = mn;
                     vv.x[j] = vn;
@@ -431,7 +478,12 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
                 if let Some(x) = xx.as_mut() {
                     x.x[k * LANES..(k + 1) * LANES].copy_from_slice(&xn);
                 }
-                out_block::<I, true>(pk, out, b);
+                if kahan {
+                    super::kahan_add::<I>(wb.get_unchecked_mut(b), cb.get_unchecked_mut(b), &p0, &pk);
+                } else {
+                    *pb.get_unchecked_mut(b) = pk;
+                    out_block::<I, true>(pb.get_unchecked_mut(b), out, b);
+                }
             }
         }
         // SAFETY: as above.

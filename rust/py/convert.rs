@@ -23,14 +23,14 @@ pub fn err(e: Error) -> PyErr {
 /// The SIMD path named by a call, or the default one (`OFFLOAD_ADAM_SIMD`, else the best).
 pub fn simd_or_default(simd: Option<&str>) -> PyResult<Simd> {
     match simd {
-        None => isa::default_simd().map_err(|e| PyValueError::new_err(format!("OFFLOAD_ADAM_SIMD: {e}"))),
-        Some(s) => isa::resolve(s).map_err(|e| PyValueError::new_err(format!("simd: {e}"))),
+        None => isa::default_simd().map_err(|e| err(e.context("OFFLOAD_ADAM_SIMD"))),
+        Some(s) => isa::resolve(s).map_err(|e| err(e.context("simd"))),
     }
 }
 
 /// The private pool of `num_threads` threads (None: run on the calling thread).
 pub fn pool(num_threads: usize) -> PyResult<Option<Arc<rayon::ThreadPool>>> {
-    crate::pool::get(num_threads).map_err(|e| PyValueError::new_err(format!("num_threads: {e}")))
+    crate::pool::get(num_threads).map_err(|e| err(e.context("num_threads")))
 }
 
 /// A param group's hyper-parameters as the Python layer normalised them:
@@ -52,7 +52,6 @@ pub fn hyper(t: HyperTuple, what: &str, grad_scale: f64, bias_correction: bool) 
         bias_correction,
         grad_scale,
     };
-    h.validate()
-        .map_err(|e| PyValueError::new_err(format!("{what}: {e}")))?;
+    h.validate().map_err(|e| err(e.context(what)))?;
     Ok(h)
 }

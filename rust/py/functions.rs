@@ -232,6 +232,7 @@ pub fn adam_update(
             Some(HostMut::F16(s)) => OutMut::F16(s),
             _ => OutMut::None,
         },
+        kahan: None,
     };
     py.detach(|| kernel::adam_step(simd, pool.as_deref(), vec![seg]))
         .map_err(err)

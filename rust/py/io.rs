@@ -9,7 +9,6 @@ use pyo3::prelude::*;
 
 use super::convert::err;
 use super::dlpack::Import;
-use crate::error::Error;
 use crate::io::{self, Backend, Request};
 
 fn backend_named(name: Option<&str>) -> PyResult<Option<Backend>> {
@@ -21,10 +20,6 @@ fn backend_named(name: Option<&str>) -> PyResult<Option<Backend>> {
             "backend must be 'uring' or 'threads', got {o:?}"
         ))),
     }
-}
-
-fn io_err(e: io::IoError) -> PyErr {
-    err(Error::Io(e.errno, e.message))
 }
 
 /// Reads and writes of tensors' memory at file offsets, several in flight.
@@ -92,7 +87,10 @@ impl IoEngine {
             });
             keep.push(imp);
         }
-        let ticket = self.inner.submit(&reqs).map_err(err)?;
+        // SAFETY: each request spans one imported tensor's memory, kept alive by `keep`, which the
+        // ticket owns until it completes; that nobody else touches it meanwhile is this method's
+        // documented contract with its one caller, the pager (runtime/pager.py).
+        let ticket = unsafe { self.inner.submit(&reqs) }.map_err(err)?;
         Ok(IoTicket {
             ticket,
             keep: Mutex::new(Some(keep)),
@@ -141,7 +139,7 @@ impl IoTicket {
         let t = self.ticket.clone();
         let r = py.detach(move || t.wait());
         drop(self.keep.lock().unwrap_or_else(|e| e.into_inner()).take());
-        r.map_err(io_err)
+        r.map_err(err)
     }
 
     fn done(&self) -> bool {

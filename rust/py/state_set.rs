@@ -17,6 +17,7 @@ use pyo3::prelude::*;
 
 use super::convert::{err, hyper, pool, simd_or_default, HyperTuple};
 use super::dlpack::{carve_sets, data_ptr, torch, CheckedGrad, DType, GradCache, GradSpec, Import, Writable};
+use crate::elem::Bf16;
 use crate::kernel::{self, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
 use crate::layout::{carve, check_disjoint, Layout, Slot, KINDS};
 
@@ -26,8 +27,10 @@ const EXP_AVG_SQ: usize = 1;
 const MAX_EXP_AVG_SQ: usize = 2;
 const MASTER: usize = 3;
 const STEPS: usize = 4;
+/// The Kahan compensation of bfloat16 weights kept without a float32 master.
+const COMP: usize = 5;
 /// The landing buffers of float32, bfloat16 and float16 gradients.
-const LANDING: usize = 5;
+const LANDING: usize = 6;
 /// One per parameter, when weights are written in place.
 const PARAMS: usize = LANDING + KINDS;
 
@@ -256,11 +259,14 @@ impl StateSet {
     /// gets its low-precision copy in its landing slot, over the gradient it came in.
     #[new]
     ///
+    /// With `comp` (bfloat16, slots at `state_offsets`), bfloat16 parameters written in place
+    /// keep no float32 master: their weights are updated with Kahan compensation in `comp`.
+    ///
     /// Moments in uint8 buffers need `moments`: per slot, its first byte in each moment buffer
     /// and whether it is block-quantized (`n` codes then `n / 256` float32 absmax values) or
     /// float32 (`4 n` bytes); `state_offsets` then place the slots in `master` only.
     #[pyo3(signature = (lens, state_offsets, names, exp_avg, exp_avg_sq, steps, master=None, max_exp_avg_sq=None,
-        *, params=None, landing=None, landing_slots=None, moments=None))]
+        *, params=None, landing=None, landing_slots=None, moments=None, comp=None))]
     fn new(
         lens: Vec<usize>,
         state_offsets: Vec<usize>,
@@ -274,6 +280,7 @@ impl StateSet {
         landing: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing_slots: Option<Vec<(usize, usize)>>,
         moments: Option<Vec<(usize, bool)>>,
+        comp: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StateSet> {
         let n = lens.len();
         if state_offsets.len() != n || names.len() != n {
@@ -309,12 +316,24 @@ impl StateSet {
             )));
         }
         let master = master.map(|m| Import::new(m, "master buffer")).transpose()?;
+        let comp = comp.map(|c| Import::new(c, "Kahan compensation buffer")).transpose()?;
+        if let Some(c) = &comp {
+            c.require(DType::Bf16, "Kahan compensation buffer")?;
+        }
         // Where `state_offsets` point: the moments and masters, or (uint8 moments) the masters.
-        let state_len = match (&moments, &master) {
-            (None, _) => exp_avg.len,
-            (Some(_), Some(m)) => m.len,
-            (Some(_), None) => usize::MAX,
+        let state_len = match (&moments, &master, &comp) {
+            (None, _, _) => exp_avg.len,
+            (Some(_), Some(m), _) => m.len,
+            (Some(_), None, Some(c)) => c.len,
+            (Some(_), None, None) => usize::MAX,
         };
+        if let Some(c) = &comp {
+            if c.len != state_len {
+                return Err(PyValueError::new_err(
+                    "Kahan compensation buffer: length differs from the state buffers",
+                ));
+            }
+        }
         if let Some(m) = &master {
             m.require(DType::F32, "master buffer")?;
             if moments.is_none() && m.len != state_len {
@@ -396,7 +415,8 @@ impl StateSet {
                             names[i], imp.len, lens[i]
                         )));
                     }
-                    if param.dtype != DType::F32 && master.is_none() {
+                    if param.dtype != DType::F32 && master.is_none() && !(param.dtype == DType::Bf16 && comp.is_some())
+                    {
                         return Err(PyValueError::new_err(format!(
                             "{}: a {} parameter needs a float32 master slot",
                             names[i],
@@ -415,6 +435,7 @@ impl StateSet {
             (None, "max_exp_avg_sq buffer".into()),
             (master, "master buffer".into()),
             (Some(steps), "steps buffer".into()),
+            (comp, "Kahan compensation buffer".into()),
         ];
         for (k, b) in landing_bufs.into_iter().enumerate() {
             entries.push((b, format!("{} landing buffer", KIND_DTYPES[k].name())));
@@ -708,7 +729,9 @@ pub fn adam_step(
             None
         };
         let own = |i: usize| params.and_then(|ps| ps[i].as_ref());
-        let uses_master = |i: usize| own(i).is_none_or(|p| p.dtype != DType::F32);
+        let has_comp = bufs[COMP].is_some();
+        let kahan = |i: usize| has_comp && own(i).is_some_and(|p| p.dtype == DType::Bf16);
+        let uses_master = |i: usize| own(i).is_none_or(|p| p.dtype != DType::F32) && !kahan(i);
         let master_pos: Vec<usize> = (0..sel.len()).filter(|&j| uses_master(sel[j])).collect();
         let master_ranges: Vec<(usize, usize)> = master_pos.iter().map(|&j| ranges[j]).collect();
         let mut masters: Vec<Option<&mut [f32]>> = (0..sel.len()).map(|_| None).collect();
@@ -718,6 +741,17 @@ pub fn adam_step(
                 .zip(carve_f32(bufs[MASTER].take(), &master_ranges, "master buffer")?)
             {
                 masters[*j] = Some(s);
+            }
+        }
+        let comp_pos: Vec<usize> = (0..sel.len()).filter(|&j| kahan(sel[j])).collect();
+        let mut comps: Vec<Option<&mut [Bf16]>> = (0..sel.len()).map(|_| None).collect();
+        if !comp_pos.is_empty() {
+            let r: Vec<(usize, usize)> = comp_pos.iter().map(|&j| ranges[j]).collect();
+            let Some(HostMut::Bf16(b)) = bufs[COMP].take() else {
+                return Err(PyRuntimeError::new_err("Kahan compensation buffer: missing"));
+            };
+            for (j, c) in comp_pos.iter().zip(carve(b, &r).map_err(err)?) {
+                comps[*j] = Some(c);
             }
         }
         let mut landed: Vec<Option<HostMut<'_>>> = (0..sel.len()).map(|_| None).collect();
@@ -756,12 +790,19 @@ pub fn adam_step(
             let master = masters[j].take();
             let landing = landed[j].take();
             let missing = |what: &str| PyRuntimeError::new_err(format!("{}: no {what}", names[i]));
+            let mut kahan_w = None;
             let (param, out, grad) = match own(i) {
                 Some(_) => {
                     let own = bufs[PARAMS + i].take().ok_or_else(|| missing("parameter memory"))?;
                     let (param, out) = match (own, master) {
                         // In place, float32: the parameter's memory is the master.
                         (HostMut::F32(p), _) => (p, OutMut::None),
+                        // In place, bfloat16 without a master: Kahan compensation.
+                        (HostMut::Bf16(w), None) if comps[j].is_some() => {
+                            let comp = comps[j].take().expect("checked");
+                            kahan_w = Some(kernel::Kahan { w, comp });
+                            (&mut [][..], OutMut::None)
+                        }
                         // In place, low precision: the master, and the rounded copy into the
                         // parameter in the same pass.
                         (o, Some(m)) => (m, as_out(o)),
@@ -791,6 +832,7 @@ pub fn adam_step(
                 exp_avg_sq: v.next().expect("one per slot"),
                 max_exp_avg_sq: x.as_mut().map(|x| x.next().expect("one per slot")),
                 out,
+                kahan: kahan_w,
             });
         }
         new_steps.push(next_steps);

@@ -105,8 +105,10 @@ class Engine:
         free_gradients: bool,
         bucket_bytes: int,
         tier: Tier | None = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         self.num_threads = num_threads
+        self.master_dtype = master_dtype
         self.bias_correction = bias_correction
         self.async_step = async_step
         self.free_gradients = free_gradients
@@ -190,7 +192,7 @@ class Engine:
         group = GroupState(
             local, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device,
             arena=self.arena if device is not None else None, bucket_bytes=self.bucket_bytes,
-            page_align=self.tier.page_align, state_alloc=self.tier.state_alloc, keys=keys,
+            page_align=self.tier.page_align, state_alloc=self.tier.state_alloc, keys=keys, master_dtype=self.master_dtype,
             homes=[h.host if h is not None else None for h in homes] if any(homes) else None,
         )  # fmt: skip
         me = weakref.ref(self)

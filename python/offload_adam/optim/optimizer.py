@@ -28,7 +28,7 @@ from .. import _native
 from . import checkpoint, ddp
 from .engine import Engine, Hyper
 from .tier import HostTier, NvmeTier, Tier
-from .schema import MASTER_KEY, MOMENT, STATE_DTYPES, check_moment, copy_moment, moments, write_moment
+from .schema import COMP_KEY, MASTER_KEY, MOMENT, STATE_DTYPES, check_moment, copy_moment, moments, write_moment
 from .state import GroupState, is_dtensor, same_sharding
 
 # The one reader of `_step_supports_amp_scaling` that gets True (every torch GradScaler, FSDP's
@@ -214,7 +214,7 @@ class _State(defaultdict):  # type: ignore[type-arg]
 
 
 # Every key the schema may put in an entry, in any codec.
-_SCHEMA_KEYS = frozenset({MASTER_KEY} | {m.key + s for m in moments(True) for s in ("", "_codes", "_absmax")})
+_SCHEMA_KEYS = frozenset({MASTER_KEY, COMP_KEY} | {m.key + s for m in moments(True) for s in ("", "_codes", "_absmax")})
 
 
 def _unaliased(entry: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, Any]:
@@ -261,6 +261,12 @@ class Adam(Optimizer):
             elements, not whole blocks, complex) keep float32 moments. ``state[p]`` then holds
             ``exp_avg_codes``/``exp_avg_absmax`` (and the same for ``exp_avg_sq`` and
             ``max_exp_avg_sq``) instead of ``exp_avg``; see ``offload_adam.dequantized``.
+        master_dtype: ``torch.float32`` (default): a bfloat16/float16 parameter keeps an fp32
+            master. ``torch.bfloat16``: a bfloat16 parameter keeps none; its weights are updated
+            in place with Kahan compensation, one bfloat16 buffer per parameter
+            (``state[p]["kahan_comp"]``), as torch-optimi's ``kahan_sum``: 2 B instead of 4.
+            For CPU parameters and weights streamed by ``offload_weights``; float16 parameters
+            keep their fp32 master (a float16 compensation underflows).
         offload: where the optimizer state lives: ``"cpu"`` (host memory, the default). For CUDA
             parameters this means: state in pinned host memory, gradients streamed to the host
             during backward, weights streamed back after the CPU step (see the README).
@@ -299,6 +305,7 @@ class Adam(Optimizer):
         decoupled_weight_decay: bool = False,
         num_threads: int | None = None,
         state_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
         offload: str = "cpu",
         bias_correction: bool = True,
         free_gradients: bool = False,
@@ -320,6 +327,8 @@ class Adam(Optimizer):
             raise ValueError(f"fused must be None, False or True, got {fused!r}")
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+        if master_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype}")
         if state_dtype not in STATE_DTYPES:
             raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got {state_dtype}")
         if offload not in _OFFLOAD_MODES:
@@ -342,6 +351,7 @@ class Adam(Optimizer):
         self._configure(
             num_threads=num_threads,
             state_dtype=state_dtype,
+            master_dtype=master_dtype,
             offload=offload,
             bias_correction=bool(bias_correction),
             free_gradients=bool(free_gradients),
@@ -386,6 +396,7 @@ class Adam(Optimizer):
             free_gradients=config["free_gradients"],
             bucket_bytes=config["bucket_bytes"],
             tier=self._make_tier(config),
+            master_dtype=config.get("master_dtype", torch.float32),
         )
 
     def _make_tier(self, config: dict[str, Any]) -> Tier:
@@ -645,15 +656,17 @@ class Adam(Optimizer):
         for m in moments(True):
             if check_moment(v, m, p, name, local) is None and (amsgrad or not m.amsgrad):
                 raise ValueError(f"loaded state of {name}: missing key {m.key!r} (or {m.key + '_codes'!r} and {m.key + '_absmax'!r})")
-        t = v.get(MASTER_KEY)
-        if t is not None:
+        for key in (MASTER_KEY, COMP_KEY):
+            t = v.get(key)
+            if t is None:
+                continue
             if not isinstance(t, Tensor):
-                raise TypeError(f"loaded state of {name}: {MASTER_KEY} must be a tensor, got {type(t).__name__}")
-            t = local(t, MASTER_KEY)
+                raise TypeError(f"loaded state of {name}: {key} must be a tensor, got {type(t).__name__}")
+            t = local(t, key)
             if t.shape != p.shape:
-                raise ValueError(f"loaded state of {name}: {MASTER_KEY} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+                raise ValueError(f"loaded state of {name}: {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
             if not (t.is_floating_point() or t.is_complex()) or t.is_complex() != p.is_complex():
-                raise TypeError(f"loaded state of {name}: {MASTER_KEY} has dtype {t.dtype}, expected one like {p.dtype}")
+                raise TypeError(f"loaded state of {name}: {key} has dtype {t.dtype}, expected one like {p.dtype}")
         step = v["step"]
         step_f = float(step.item() if isinstance(step, Tensor) else step)
         if not (math.isfinite(step_f) and step_f >= 0 and step_f == int(step_f)):
@@ -682,9 +695,26 @@ class Adam(Optimizer):
                 write_moment(views, codec, m, v, local)
             elif m.amsgrad:
                 copy_moment(views, codec, m, MOMENT["exp_avg_sq"])
+        master, comp = v.get(MASTER_KEY), v.get(COMP_KEY)
+        home = g.homes[i]
+        weights: Tensor = home if home is not None else p
         if MASTER_KEY in views:
-            src = v.get(MASTER_KEY)
-            views[MASTER_KEY].copy_(p if src is None else local(src, MASTER_KEY))
+            # An fp32 master from the entry, or (bf16 weights with Kahan compensation) the
+            # weights plus their compensation, or the weights.
+            if master is not None:
+                views[MASTER_KEY].copy_(local(master, MASTER_KEY))
+            elif comp is not None:
+                views[MASTER_KEY].copy_(weights.float() + local(comp, COMP_KEY).float())
+            else:
+                views[MASTER_KEY].copy_(p)
+        if COMP_KEY in views:
+            # The compensation from the entry, or what the weights lack of an fp32 master.
+            if comp is not None:
+                views[COMP_KEY].copy_(local(comp, COMP_KEY))
+            elif master is not None:
+                views[COMP_KEY].copy_(local(master, MASTER_KEY).float() - weights.float())
+            else:
+                views[COMP_KEY].zero_()
         if g.streamed:
             self._engine.master_loaded(gi, i, from_checkpoint=v.get(MASTER_KEY) is not None)
         extra = {k: x for k, x in v.items() if k not in views and k not in _SCHEMA_KEYS}
@@ -1063,6 +1093,7 @@ class AdamW(Adam):
         fused: bool | None = None,
         num_threads: int | None = None,
         state_dtype: torch.dtype = torch.float32,
+        master_dtype: torch.dtype = torch.float32,
         offload: str = "cpu",
         bias_correction: bool = True,
         free_gradients: bool = False,
@@ -1087,6 +1118,7 @@ class AdamW(Adam):
             decoupled_weight_decay=True,
             num_threads=num_threads,
             state_dtype=state_dtype,
+            master_dtype=master_dtype,
             offload=offload,
             bias_correction=bias_correction,
             free_gradients=free_gradients,

@@ -36,6 +36,7 @@ QBLOCK: int = _native.QBLOCK
 MIN_NUMEL: int = _native.Q8_MIN_NUMEL
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
 MASTER_KEY = "master_param"
+COMP_KEY = "kahan_comp"  # bfloat16 weights without a master: their Kahan compensation
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from ..runtime.pinned import PinnedArena
-from .schema import MASTER_KEY, MOMENT, Codec, codec_for, is_dense, moments, view
+from .schema import COMP_KEY, MASTER_KEY, MOMENT, Codec, codec_for, is_dense, moments, view
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
@@ -76,9 +76,11 @@ class Layout:
     def moment_bytes(self) -> int:
         return self.moment_total * torch.empty((), dtype=self.state_dtype).element_size()
 
-    def host_bytes(self, *, amsgrad: bool, master: bool, streamed: bool) -> int:
-        """Bytes of the host buffers a group with this layout allocates."""
+    def host_bytes(self, *, amsgrad: bool, master: bool, streamed: bool, comp: bool = False) -> int:
+        """Bytes of the host buffers a group with this layout allocates (``comp``: a bfloat16
+        Kahan compensation buffer)."""
         n = self.moment_bytes() * len(moments(amsgrad)) + (self.total * 4 if master else 0) + 4 * len(self.lens)
+        n += self.total * 2 if comp else 0
         if streamed:
             n += sum(c * torch.empty((), dtype=KINDS[k]).element_size() for k, c in enumerate(self.landing) if c is not None)
         return n
@@ -158,6 +160,7 @@ class GroupState:
         state_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
         keys: list[Tensor] | None = None,
         homes: list[Tensor | None] | None = None,
+        master_dtype: torch.dtype = torch.float32,
     ) -> None:
         if keys is not None and state_dtype == torch.uint8:
             raise ValueError(
@@ -197,8 +200,23 @@ class GroupState:
         self.exp_avg = self._state_alloc(lay.moment_total, state_dtype)
         self.exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype)
         self.max_exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype) if amsgrad else None
-        lowp = any(p.dtype in LOW_PRECISION for p in params)
-        self.master = self._state_alloc(self.total, torch.float32) if self.streamed or lowp else None
+        # bfloat16 weights without a master (master_dtype=torch.bfloat16): updated in place
+        # (CPU parameters, or a home's host copy) with Kahan compensation.
+        self.kahan = [
+            master_dtype == torch.bfloat16 and p.dtype == torch.bfloat16 and (not self.streamed or h is not None)
+            for p, h in zip(params, self.homes)
+        ]
+        if master_dtype == torch.bfloat16 and self.streamed:
+            for p, name, h in zip(params, names, self.homes):
+                if p.dtype == torch.bfloat16 and h is None:
+                    raise ValueError(
+                        f"{name}: master_dtype=torch.bfloat16 needs the weights on the host to update them in place: "
+                        "CPU parameters, or weights streamed by offload_weights; an offloaded parameter keeps an fp32 master"
+                    )
+        needs_master = [self.streamed or p.dtype in LOW_PRECISION for p in params]
+        need = any(m and not k for m, k in zip(needs_master, self.kahan))
+        self.master = self._state_alloc(self.total, torch.float32) if need else None
+        self.comp = self._state_alloc(self.total, torch.bfloat16) if any(self.kahan) else None  # zeros (paged: read as zeros)
         quantized = state_dtype == torch.uint8
         slots = [(o, c.quantized) for o, c in zip(self.moment_offsets, self.codecs)] if quantized else None
         self.steps = torch.zeros(len(params), dtype=torch.float32)
@@ -210,13 +228,13 @@ class GroupState:
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
                 self.max_exp_avg_sq, landing=self.landing, landing_slots=self.landing_slots,
-                params=self.homes if any(h is not None for h in self.homes) else None, moments=slots,
+                params=self.homes if any(h is not None for h in self.homes) else None, moments=slots, comp=self.comp,
             )  # fmt: skip
         else:
             self.native = _native.StateSet(
                 self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
                 self.max_exp_avg_sq, params=[d if d is not None else p for p, d in zip(self.params, self.stand_ins)],
-                moments=slots,
+                moments=slots, comp=self.comp,
             )  # fmt: skip
 
     def __len__(self) -> int:
@@ -228,7 +246,7 @@ class GroupState:
         """Whether ``state[p]`` has parameter ``i``'s fp32 master: in the master buffer
         (offloaded, or a bfloat16/float16 CPU parameter), or its float32 home (the host copy
         the step writes in place is the master); a float32 CPU parameter is its own master."""
-        return self.master is not None and (self.streamed or self.params[i].dtype in LOW_PRECISION)
+        return self.master is not None and not self.kahan[i] and (self.streamed or self.params[i].dtype in LOW_PRECISION)
 
     def moment_buffers(self) -> dict[str, Tensor]:
         """The group's moment buffers, by the schema's names (the amsgrad maximum if it has one)."""
@@ -249,6 +267,9 @@ class GroupState:
         if self.has_master(i):
             assert self.master is not None
             out[MASTER_KEY] = home if home is not None and p.dtype == torch.float32 else view(self.master, self.offsets[i], p)
+        if self.kahan[i]:
+            assert self.comp is not None
+            out[COMP_KEY] = view(self.comp, self.offsets[i], p)
         return out
 
     def entry(self, i: int) -> dict[str, Tensor]:
@@ -330,7 +351,7 @@ class GroupState:
     def state_buffers(self) -> list[Tensor]:
         """The buffers a checkpoint load rewrites: moments, step counts, and the masters of CPU
         groups (an offloaded group's masters are taken from the checkpoint or the model)."""
-        bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.steps]
+        bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.steps, self.comp]
         if not self.streamed:
             bufs.append(self.master)
         return [t for t in bufs if t is not None]
@@ -341,21 +362,24 @@ class GroupState:
         of their own)."""
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
         if self.exp_avg.dtype != torch.uint8:
-            return [(self.total, self.offsets, (*keys, "master"))]
+            return [(self.total, self.offsets, (*keys, "master", "comp"))]
         out: list[tuple[int, list[int], tuple[str, ...]]] = [(self.exp_avg.numel(), self.moment_offsets, keys)]
-        if self.master is not None:
-            out.append((self.total, self.offsets, ("master",)))
+        if self.master is not None or self.comp is not None:
+            out.append((self.total, self.offsets, ("master", "comp")))
         return out
 
     def paged_buffers(self) -> dict[str, Tensor]:
         """The buffers a tier may page (each with the layout's offsets): moments, amsgrad
         maximum, masters; not the step counts or landing buffers."""
-        bufs = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "max_exp_avg_sq": self.max_exp_avg_sq, "master": self.master}
+        bufs = {
+            "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq, "max_exp_avg_sq": self.max_exp_avg_sq,
+            "master": self.master, "comp": self.comp,
+        }  # fmt: skip
         return {k: b for k, b in bufs.items() if b is not None}
 
     def buffers(self) -> list[Tensor]:
         """Every host buffer of the group."""
-        bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.steps, *self.landing]
+        bufs = [self.exp_avg, self.exp_avg_sq, self.max_exp_avg_sq, self.master, self.comp, self.steps, *self.landing]
         return [t for t in bufs if t is not None]
 
     def memory(self, paged: bool = False) -> tuple[int, int]:
@@ -371,5 +395,8 @@ class GroupState:
         if not self.streamed:
             return held, held
         k = len(self.moment_buffers())
-        tight = sum(p.numel() * (4 + p.element_size()) + k * c.nbytes(n) for p, c, n in zip(self.params, self.codecs, self.lens))
+        tight = sum(
+            p.numel() * ((2 if kahan else 4) + p.element_size()) + k * c.nbytes(n)
+            for p, c, n, kahan in zip(self.params, self.codecs, self.lens, self.kahan)
+        )
         return held, tight

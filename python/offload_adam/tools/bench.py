@@ -168,8 +168,8 @@ def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int,
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload_adam bench", description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--cases", default="big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2",
-        help="comma-separated: big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2, and torchao (needs torchao and a C++ compiler)",
+        "--cases", default="big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2,bf16-compact",
+        help="comma-separated: big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2,bf16-compact, and torchao (needs torchao and a C++ compiler)",
     )
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -272,6 +272,19 @@ def main(argv: list[str] | None = None) -> int:
                 Contender("offload_adam fp32 moments", _ours(shapes, torch.float32, args.threads)),
             ]
             results.append(run_case(f"8-bit moments, {title}", cs, n(shapes), args.rounds, "offload_adam fp32 moments"))
+            continue
+        elif case == "bf16-compact":
+            cs = [
+                Contender(
+                    "offload_adam bf16 Kahan, uint8 moments",
+                    _ours(gpt2, torch.bfloat16, args.threads, state_dtype=torch.uint8, master_dtype=torch.bfloat16),
+                ),
+                Contender("offload_adam bf16 Kahan, fp32 moments", _ours(gpt2, torch.bfloat16, args.threads, master_dtype=torch.bfloat16)),
+                Contender("offload_adam bf16, fp32 masters", _ours(gpt2, torch.bfloat16, args.threads)),
+            ]
+            results.append(
+                run_case("bf16 params, compact state, GPT-2 small shapes", cs, n(gpt2), args.rounds, "offload_adam bf16, fp32 masters")
+            )
             continue
         elif case == "torchao":
             shapes = [(int(16_000_000 * s),)]  # type: ignore[list-item]

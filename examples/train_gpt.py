@@ -111,6 +111,10 @@ def main() -> None:
         "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8"],
         help="the moments' dtype: uint8 is 8-bit block-quantized (torchao's AdamW8bit); compared with torch's fp32 run",
     )  # fmt: skip
+    ap.add_argument(
+        "--master-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="bfloat16: our model in bf16 without fp32 masters (Kahan compensation); torch's twin stays fp32",
+    )  # fmt: skip
     ap.add_argument("--offload-weights", action="store_true", help="stream the weights too (offload_weights)")
     ap.add_argument("--prefetch", type=int, default=2, help="--offload-weights: blocks copied ahead")
     args = ap.parse_args()
@@ -134,6 +138,8 @@ def run(args: argparse.Namespace) -> None:
     data = make_corpus(20_000, args.seed).to(dev)
     model = GPT(len(VOCAB), args.ctx, args.d_model, args.layers, args.heads)
     twin = copy.deepcopy(model).to(dev)
+    if args.master_dtype == "bfloat16":
+        model = model.to(torch.bfloat16)  # bf16 weights, no fp32 master: Kahan compensation
     streamed = None
     if args.offload_weights:
         # Before the optimizer: it then trains the host copies the streamer reads.
@@ -150,7 +156,8 @@ def run(args: argparse.Namespace) -> None:
     nvme = {"nvme_dir": args.nvme_dir, "host_budget_gb": args.host_budget_gb, "bucket_mb": 1} if args.offload == "nvme" else {}
     ours = offload_adam.AdamW(
         param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), num_threads=args.threads, async_step=args.async_step,
-        offload=args.offload, state_dtype=getattr(torch, args.state_dtype), **nvme,
+        offload=args.offload, state_dtype=getattr(torch, args.state_dtype), master_dtype=getattr(torch, args.master_dtype),
+        **nvme,
     )  # fmt: skip
     ref = torch.optim.AdamW(param_groups(twin, 0.1), lr=args.lr, betas=(0.9, 0.95), fused=True)
     peak = {"offload_adam": 0, "torch": 0}
@@ -179,7 +186,14 @@ def run(args: argparse.Namespace) -> None:
             if streamed is not None and m is model:
                 streamed.reset_stats()
             opt.zero_grad()
-            loss = F.cross_entropy(m(x).flatten(0, 1), y.flatten())
+            if m is model and args.master_dtype == "bfloat16":
+                # bf16 weights, computed in fp32 (this CPU's bf16 matmuls are slow); the
+                # gradients reach the bf16 parameters in bf16.
+                tensors = {k: v.float() for k, v in [*m.named_parameters(), *m.named_buffers()] if v.is_floating_point()}
+                logits = torch.func.functional_call(m, tensors, (x,))
+            else:
+                logits = m(x)
+            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
             loss.backward()
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             if cuda:
@@ -258,7 +272,7 @@ def run(args: argparse.Namespace) -> None:
     smooth = {k: [statistics.mean(v[i : i + w]) for i in range(len(v) - w + 1)] for k, v in losses.items()}
     rel = max(abs(a - b) / abs(b) for a, b in zip(smooth["offload_adam"], smooth["torch"]))
     first = max(abs(a - b) for a, b in zip(losses["offload_adam"][:w], losses["torch"][:w]))
-    if args.state_dtype == "float32":
+    if args.state_dtype == "float32" and args.master_dtype == "float32":
         agree = rel < 0.02 and first < 1e-3
         print(
             f"loss curves {'agree' if agree else 'DIFFER'}: max relative gap of the {w}-step moving averages {rel:.2e}, "
@@ -268,7 +282,7 @@ def run(args: argparse.Namespace) -> None:
         gap = abs(final["offload_adam"] - final["torch"]) / final["torch"]
         agree = gap < 0.02
         print(
-            f"{args.state_dtype} moments: final loss {final['offload_adam']:.4f} against fp32 state (torch) "
+            f"{args.state_dtype} moments, {args.master_dtype} weights: final loss {final['offload_adam']:.4f} against fp32 state (torch) "
             f"{final['torch']:.4f}, {gap * 100:.2f}% apart ({'within' if agree else 'NOT within'} 2%); "
             f"max relative gap of the {w}-step moving averages {rel:.2e}; "
             f"optimizer host memory {host_bytes / 2**20:.2f} MiB"

@@ -50,8 +50,9 @@ class _Layers(torch.nn.Module):
         return x
 
 
+@pytest.mark.parametrize("compact", [False, True], ids=["fp32-state", "uint8-kahan"])
 @pytest.mark.parametrize("prefetch", [1, 2])
-def test_planned_streamed_weights_equal_what_offload_weights_allocates(prefetch: int) -> None:
+def test_planned_streamed_weights_equal_what_offload_weights_allocates(prefetch: int, compact: bool) -> None:
     """The streamed-weights configurations: the ring the offload allocates, and on the host the
     pinned weights plus the optimizer's buffers (the step writes the weights in place)."""
     import offload_adam
@@ -62,7 +63,8 @@ def test_planned_streamed_weights_equal_what_offload_weights_allocates(prefetch:
     params = [(p.numel(), p.dtype) for p in m.parameters()]
     with testing.simulated_device(seed=0, max_delay_s=0.0):
         h = offload_adam.offload_weights(m, prefetch=prefetch)
-        opt = AdamW(m.parameters(), bucket_mb=0.05)
+        kw: dict = {"state_dtype": torch.uint8, "master_dtype": torch.bfloat16} if compact else {}
+        opt = AdamW(m.parameters(), bucket_mb=0.05, **kw)
         rep = h.report()
         held = rep["host_pinned_bytes"] + opt.memory_report()["host_bytes"]
         layer = {b.nbytes for b in h.blocks}
@@ -70,7 +72,7 @@ def test_planned_streamed_weights_equal_what_offload_weights_allocates(prefetch:
         assert rep["ring_bytes"] == streamed_ring_bytes(4, layer.pop(), prefetch)
         opt.close()
         h.close()
-    planned = sum(n * 2 for n, _ in params) + optimizer_host_bytes(params, streamed=True, bucket_bytes=int(0.05 * (1 << 20)))
+    planned = sum(n * 2 for n, _ in params) + optimizer_host_bytes(params, streamed=True, bucket_bytes=int(0.05 * (1 << 20)), **kw)
     assert abs(planned - held) <= 0.01 * held, (planned, held)
 
 

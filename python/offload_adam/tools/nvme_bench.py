@@ -65,8 +65,9 @@ def run(nvme_dir: str, *, params: float, rounds: int, threads: int, raw_gb: floa
         f"raw disk under {nvme_dir}: write {raw['write_Bps'] / 1e9:.2f} GB/s, read {raw['read_Bps'] / 1e9:.2f} GB/s "
         f"({'O_DIRECT' if raw['direct'] else 'buffered: the filesystem refuses O_DIRECT'}, I/O backend {raw['backend']})"
     )
-    n = int(params)
-    shapes = [(n // 16,)] * 16
+    per = max(256, int(params) // 16 // 256 * 256)  # whole blocks of 256: what 8-bit moments quantize
+    shapes = [(per,)] * 16
+    n = 16 * per
     state_bytes = n * 8
     half_gb = state_bytes / 2 * 1.01 / (1 << 30)  # half, and the pages' alignment
     cases: list[tuple[str, dict[str, Any]]] = [
@@ -74,6 +75,7 @@ def run(nvme_dir: str, *, params: float, rounds: int, threads: int, raw_gb: floa
         ("NVMe", {"offload": "nvme", "nvme_dir": nvme_dir}),
         ("NVMe, half in RAM", {"offload": "nvme", "nvme_dir": nvme_dir, "host_budget_gb": half_gb}),
         ("NVMe, bf16 moments", {"offload": "nvme", "nvme_dir": nvme_dir, "state_dtype": torch.bfloat16}),
+        ("NVMe, uint8 moments", {"offload": "nvme", "nvme_dir": nvme_dir, "state_dtype": torch.uint8}),
     ]
     g = torch.Generator().manual_seed(0)
     models = []

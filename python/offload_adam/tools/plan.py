@@ -46,16 +46,20 @@ def optimizer_host_bytes(
     params: Sequence[tuple[int, torch.dtype]],
     *,
     state_dtype: torch.dtype = torch.float32,
+    master_dtype: torch.dtype = torch.float32,
     amsgrad: bool = False,
     streamed: bool,
     bucket_bytes: int = 32 << 20,
     page_align: int | None = None,
 ) -> int:
     """Host bytes of one param group of ``offload_adam.AdamW`` over these (numel, dtype)
-    parameters: offloaded (``streamed``: masters and landing buffers) or CPU parameters."""
+    parameters: offloaded (``streamed``: masters and landing buffers) or CPU parameters.
+    ``master_dtype=torch.bfloat16``: bf16 parameters keep a bf16 Kahan compensation instead of
+    an fp32 master (CPU parameters, or weights streamed by offload_weights)."""
     lay = layout(params, bucket_bytes=bucket_bytes, state_dtype=state_dtype, **({"page_align": page_align} if page_align else {}))
-    master = streamed or any(dt in (torch.bfloat16, torch.float16) for _, dt in params)
-    return lay.host_bytes(amsgrad=amsgrad, master=master, streamed=streamed)
+    kahan = master_dtype == torch.bfloat16 and all(dt == torch.bfloat16 for _, dt in params)
+    master = not kahan and (streamed or any(dt in (torch.bfloat16, torch.float16) for _, dt in params))
+    return lay.host_bytes(amsgrad=amsgrad, master=master, streamed=streamed, comp=kahan)
 
 
 def streamed_ring_bytes(layers: int, layer_bytes: int, prefetch: int = 2) -> int:
@@ -75,7 +79,7 @@ def _tensors(n: float, per: int, dtype: torch.dtype) -> list[tuple[int, torch.dt
 
 def configurations(
     params: float, *, world: int, state_dtype: torch.dtype, tensor_params: int, bucket_mb: float = 32, layers: int = 40,
-    prefetch: int = 2,
+    prefetch: int = 2, master_dtype: torch.dtype = torch.float32,
 ) -> list[Config]:
     n = float(params)
     shard = n / world
@@ -91,6 +95,12 @@ def configurations(
     landing = 2 * n  # bf16 gradients' landing buffers stay in RAM
     on_disk = ours_nvme_state - landing
     nvme_window = (2 + 1 + 2) * bb / 2 * (4 + 2 * es)  # read-ahead 2, one stepping, 2 writing
+    # Weights streamed by offload_weights have a host copy the step writes: with
+    # master_dtype=torch.bfloat16 it is updated with a 2-byte Kahan compensation, no fp32 master.
+    md = {"master_dtype": master_dtype}
+    ours_w = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, **md)
+    on_disk_w = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, page_align=PAGE_ALIGN, **md) - landing
+    window_w = (2 + 1 + 2) * bb / 2 * ((2 if master_dtype == torch.bfloat16 else 4) + 2 * es)
     ring = streamed_ring_bytes(layers, int(2 * n / layers), prefetch)
     weights = 2 * n  # the bf16 weights, pinned once: the copy the forward streams and the step writes
     return [
@@ -119,12 +129,12 @@ def configurations(
         ),
         Config(
             f"offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
-            ring + window, weights + ours_off, 0, 6 * n, 0,
+            ring + window, weights + ours_w, 0, 6 * n, 0,
             "weights streamed up in forward and again in backward, bf16 grads down; the step writes the host copy",
         ),
         Config(
             f"offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
-            ring + window, weights + landing + nvme_window, on_disk, 6 * n, 2 * on_disk,
+            ring + window, weights + landing + window_w, on_disk_w, 6 * n, 2 * on_disk_w,
             "weights pinned in RAM and streamed; masters and moments on NVMe, paged through a window",
         ),
     ]
@@ -142,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         help="the moments' dtype (uint8: 8-bit block-quantized, 1 B + 4 B per 256 elements)",
     )  # fmt: skip
     ap.add_argument("--bf16-moments", action="store_true", help="the same as --state-dtype bfloat16")
+    ap.add_argument(
+        "--master-dtype", default="float32", choices=["float32", "bfloat16"],
+        help="bfloat16: streamed bf16 weights keep a 2-byte Kahan compensation instead of a 4-byte fp32 master",
+    )  # fmt: skip
     ap.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model")
     ap.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring")
     ap.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers")
@@ -154,11 +168,11 @@ def main(argv: list[str] | None = None) -> int:
     sd = torch.bfloat16 if args.bf16_moments else getattr(torch, args.state_dtype)
     cfgs = configurations(
         args.params, world=args.world_size, state_dtype=sd, tensor_params=args.tensor_params, layers=args.layers,
-        prefetch=args.prefetch,
+        prefetch=args.prefetch, master_dtype=getattr(torch, args.master_dtype),
     )  # fmt: skip
     print(
         f"{args.params / 1e9:.2f}B parameters, {args.world_size} rank(s) with {args.gpu_gb:g} GiB GPU, "
-        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {str(sd).removeprefix('torch.')} moments; "
+        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {str(sd).removeprefix('torch.')} moments, {args.master_dtype} masters; "
         "activations not counted"
     )
     for c in cfgs:

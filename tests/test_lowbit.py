@@ -333,7 +333,10 @@ def test_memory_report_counts_a_quarter_of_fp32_moments() -> None:
     assert abs(reports[torch.uint8] - 2 * ((1 << 20) + 4 * 4096)) <= 4096
 
 
-@pytest.mark.parametrize("mode", [{}, {"amsgrad": True}, {"host_budget_gb": 0.06 / 1024}], ids=["default", "amsgrad", "half-budget"])
+@pytest.mark.parametrize(
+    "mode", [{}, {"amsgrad": True}, {"host_budget_gb": 0.06 / 1024}, {"master_dtype": torch.bfloat16}],
+    ids=["default", "amsgrad", "half-budget", "kahan"],
+)
 def test_nvme_tier_pages_uint8_moments_bitwise_as_ram(tmp_path: Any, mode: dict[str, Any]) -> None:
     """Codes and absmax paged as a byte layout of their own beside the masters' (bf16
     parameters: both families), bitwise the RAM tier's step; the bytes on disk fall."""
@@ -364,6 +367,9 @@ def test_nvme_tier_pages_uint8_moments_bitwise_as_ram(tmp_path: Any, mode: dict[
     # fp32 parameters: only the moments are paged; a quarter of fp32 moments' bytes, plus absmax
     ps = [p.clone().requires_grad_() for p in init]
     f32 = AdamW(_groups(ps, 0.01), lr=1e-3, offload="nvme", nvme_dir=nvme_dir, bucket_mb=0.02, amsgrad=bool(mode.get("amsgrad")))
+    if "master_dtype" in mode:  # bf16 parameters: their compensation is paged beside the moments
+        keys = set(runs["nvme", torch.bfloat16][1].state_dict()["state"][0])
+        assert "kahan_comp" in keys and "master_param" not in keys
     q8 = runs["nvme", torch.float32][1]
     if "host_budget_gb" not in mode:
         ratio = q8.memory_report()["nvme_bytes"] / f32.memory_report()["nvme_bytes"]

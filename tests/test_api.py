@@ -15,7 +15,7 @@ import offload_adam
 from offload_adam import Adam, AdamW
 
 EXTRAS = {
-    "num_threads", "state_dtype", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb",
+    "num_threads", "state_dtype", "master_dtype", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb",
     "nvme_dir", "host_budget_gb", "nvme_read_ahead",
 }  # fmt: skip
 
@@ -51,6 +51,7 @@ def test_signature_and_defaults_match_torch(ours: type, ref: type) -> None:
         ({"capturable": True}, "capturable=True is not supported"),
         ({"differentiable": True}, "differentiable=True is not supported"),
         ({"state_dtype": torch.float16}, "state_dtype must be"),
+        ({"master_dtype": torch.float16}, "master_dtype must be"),
         ({"offload": "disk"}, "offload must be one of"),
         ({"offload": "nvme"}, "offload=\"nvme\" needs nvme_dir"),
         ({"nvme_dir": "/tmp"}, "nvme_dir is only used with offload=\"nvme\""),

@@ -425,6 +425,42 @@ def test_fsdp2_matches_torch_adamw_on_the_same_shards(kw: dict[str, Any], clip: 
             assert abs(x - r) <= 1e-5 * max(1.0, r)
 
 
+def _fsdp_q8_worker(rank: int, world: int) -> Any:
+    """8-bit moments on FSDP2 shards (world 2) or on the whole model (world 1): Linear(256, 64)'s
+    weight quantizes (rows of 256, shards of 32 rows); the others are too small."""
+    import offload_adam
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48))
+    if world > 1:
+        _shard(m)
+    opt = offload_adam.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, state_dtype=torch.uint8)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randn(4, 256, generator=g) for _ in range(8)]
+    _fsdp_train(m, opt, batches, rank, world, "none")
+    sd = opt.state_dict()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    kinds = sorted({f"{k}:{type(v).__name__}" for e in sd["state"].values() for k, v in e.items()})
+    return [full(p.detach()) for p in m.parameters()], {k: full(v) for k, v in sd["state"][0].items()}, kinds, set(sd["state"][2])
+
+
+def test_fsdp2_shards_with_uint8_moments_step_as_the_whole_model() -> None:
+    """Blocks along whole rows never straddle a shard: FSDP2's two ranks quantize as one process
+    quantizes the whole tensor, bitwise (codes, and absmax shaped (rows, row // 256), as
+    DTensors)."""
+    out = spawn(_fsdp_q8_worker)
+    (wa, sa, kinds, keys2), (wb, _, _, _) = out
+    assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "the ranks' weights differ"
+    assert "exp_avg_codes:DTensor" in kinds and "exp_avg_absmax:DTensor" in kinds
+    assert "exp_avg" in keys2 and "exp_avg_codes" not in keys2  # Linear(64, 48).weight: too small
+    wr, sr, _, _ = _fsdp_q8_worker(0, 1)
+    assert sa["exp_avg_absmax"].shape == (64, 1) and sr["exp_avg_absmax"].shape == (64,)
+    for x, r in zip(wa, wr):
+        assert torch.equal(x, r)
+    assert torch.equal(sa["exp_avg_codes"], sr["exp_avg_codes"])
+    assert torch.equal(sa["exp_avg_absmax"].reshape(-1), sr["exp_avg_absmax"])
+
+
 @pytest.mark.parametrize("kw", [{}, {"async_step": True}, {"free_gradients": True}], ids=["sync", "async", "free-gradients"])
 def test_fsdp2_streamed_shards_match_torch_adamw(kw: dict[str, Any]) -> None:
     """FSDP2 with its shards on the device (no CPUOffloadPolicy): our optimizer streams each

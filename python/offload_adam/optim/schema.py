@@ -82,12 +82,15 @@ class Codec:
         """The ``state[p]`` keys of moment ``m`` in this codec."""
         return (m.key + "_codes", m.key + "_absmax") if self.quantized else (m.key,)
 
-    def views(self, buf: Tensor, off: int, m: Moment, like: Tensor) -> dict[str, Tensor]:
+    def views(self, buf: Tensor, off: int, m: Moment, like: Tensor, rows: bool = False) -> dict[str, Tensor]:
         """Moment ``m`` of the slot at ``off`` (in buffer elements), ``like`` the parameter whose
-        shape and strides it takes."""
+        shape and strides it takes; ``rows``: the absmax shaped ``(rows, row // QBLOCK)`` (a
+        DTensor's shard, whose blocks run along its rows)."""
         n = like.numel() * (2 if like.is_complex() else 1)
         if self.quantized:
             absmax = buf[off + n : off + n + 4 * (n // QBLOCK)].view(torch.float32)
+            if rows:
+                absmax = absmax.view(like.shape[0], -1)
             return {m.key + "_codes": view(buf, off, like), m.key + "_absmax": absmax}
         if buf.dtype == torch.uint8:  # float32 moments among quantized ones
             return {m.key: view(buf[off : off + 4 * n].view(torch.float32), 0, like)}
@@ -186,7 +189,7 @@ def write_moment(views: Mapping[str, Tensor], codec: Codec, m: Moment, src: Mapp
         absmax = local(src[m.key + "_absmax"], m.key).reshape(-1)
         if codec.quantized:
             views[m.key + "_codes"].copy_(codes)
-            views[m.key + "_absmax"].copy_(absmax)
+            views[m.key + "_absmax"].view(-1).copy_(absmax)
             return
         dst = views[m.key]
         mem = torch.empty_like(dst, dtype=torch.uint8)  # the codes in the slot's memory order

@@ -10,6 +10,7 @@ the state lives between steps is the tier's business (``tier.py``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +21,7 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from ..runtime.pinned import PinnedArena
-from .schema import COMP_KEY, MASTER_KEY, MOMENT, Codec, codec_for, is_dense, moments, view
+from .schema import COMP_KEY, MASTER_KEY, MIN_NUMEL, MOMENT, QBLOCK, Codec, codec_for, is_dense, moments, view
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
@@ -86,8 +87,28 @@ class Layout:
         return n
 
 
+def row_blocks(k: Tensor) -> bool:
+    """Whether a DTensor parameter's shards all get 8-bit moments, with their blocks along whole
+    rows: FSDP2's ``Shard(0)`` on one mesh dimension, rows of whole blocks of 256, and every
+    rank's shard (``torch.chunk`` of the rows) at least ``MIN_NUMEL`` elements. Every rank then
+    agrees on the codec (from the global shape alone), a block never straddles a shard, and the
+    absmax shards as the parameter's rows do (``(rows, row // 256)``)."""
+    from torch.distributed.tensor import Shard
+
+    pl = k.placements  # type: ignore[attr-defined]
+    if k.ndim < 2 or len(pl) != 1 or pl[0] != Shard(0):
+        return False
+    row = math.prod(k.shape[1:])
+    if row % QBLOCK:
+        return False
+    world, rows = k.device_mesh.size(), k.shape[0]  # type: ignore[attr-defined]
+    per = -(-rows // world)
+    return all(max(0, min(rows, (r + 1) * per) - r * per) * row >= MIN_NUMEL for r in range(world))
+
+
 def layout(
-    params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = _ALIGN, state_dtype: torch.dtype = torch.float32
+    params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = _ALIGN, state_dtype: torch.dtype = torch.float32,
+    unquantized: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> Layout:
     """The layout of a group of parameters given as (numel, dtype): buckets of ``bucket_bytes``
     of gradient, each bucket's state starting on a multiple of ``page_align`` elements, each slot
@@ -119,7 +140,7 @@ def layout(
         slots.append((k, used[k]))
         used[k] += _aligned(n)
     landing = [used[k] if any(dt == KINDS[k] for _, dt in params) else None for k in range(len(KINDS))]
-    codecs = [codec_for(state_dtype, n, dt) for n, (_, dt) in zip(lens, params)]
+    codecs = [codec_for(state_dtype, 0 if i in unquantized else n, dt) for i, (n, (_, dt)) in enumerate(zip(lens, params))]
     if state_dtype != torch.uint8:
         return Layout(lens, buckets, offsets, total, slots, landing, state_dtype, codecs, offsets, total)
     page = max(_MOMENT_ALIGN, 2 * page_align)
@@ -162,11 +183,6 @@ class GroupState:
         homes: list[Tensor | None] | None = None,
         master_dtype: torch.dtype = torch.float32,
     ) -> None:
-        if keys is not None and state_dtype == torch.uint8:
-            raise ValueError(
-                "state_dtype=torch.uint8 with FSDP2 (DTensor) parameters is not supported yet: a shard's blocks and "
-                "absmax have no DTensor layout; use torch.bfloat16 moments"
-            )
         self.params = list(params)
         # What the optimizer's param groups and `state` hold: the parameters themselves, or for a
         # DTensor (FSDP2) the DTensor whose local shard `params[i]` is.
@@ -190,7 +206,12 @@ class GroupState:
             self.stand_ins = [stand_in(p, name) for p, name in zip(params, names)]
             self.stand_versions = [p._version for p in params]
         self.stand_slots = [i for i, d in enumerate(self.stand_ins) if d is not None]  # the step visits only these
-        lay = layout([(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align, state_dtype=state_dtype)
+        # A DTensor's shard gets 8-bit moments only where every rank's does (see row_blocks).
+        unquantized = {i for i, (k, d) in enumerate(zip(self.keys, self.dtensor)) if d and not row_blocks(k)}
+        lay = layout(
+            [(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align,
+            state_dtype=state_dtype, unquantized=unquantized,
+        )  # fmt: skip
         self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
         self.codecs, self.moment_offsets = lay.codecs, lay.moment_offsets
         alloc: Callable[[int, torch.dtype], Tensor] = (
@@ -263,7 +284,7 @@ class GroupState:
         out: dict[str, Tensor] = {"step": self.steps[i]}
         codec, off = self.codecs[i], self.moment_offsets[i]
         for key, buf in self.moment_buffers().items():
-            out.update(codec.views(buf, off, MOMENT[key], p))
+            out.update(codec.views(buf, off, MOMENT[key], p, rows=self.dtensor[i]))
         if self.has_master(i):
             assert self.master is not None
             out[MASTER_KEY] = home if home is not None and p.dtype == torch.float32 else view(self.master, self.offsets[i], p)
@@ -282,10 +303,14 @@ class GroupState:
 
         k = self.keys[i]
         assert isinstance(k, DTensor)
-        return {
-            n: t if n == "step" else DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=k.shape, stride=k.stride())
-            for n, t in v.items()
-        }
+
+        def dt(n: str, t: Tensor) -> Tensor:
+            if n.endswith("_absmax"):  # one per 256 elements of each row (see row_blocks)
+                per = math.prod(k.shape[1:]) // QBLOCK
+                return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=torch.Size((k.shape[0], per)), stride=(per, 1))
+            return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=k.shape, stride=k.stride())
+
+        return {n: t if n == "step" else dt(n, t) for n, t in v.items()}
 
     def ensure_amsgrad(self) -> bool:
         """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later:

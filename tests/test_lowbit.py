@@ -379,3 +379,125 @@ def test_nvme_tier_pages_uint8_moments_bitwise_as_ram(tmp_path: Any, mode: dict[
     for (ps, opt) in runs.values():
         opt.close()
     f32.close()
+
+
+# -- bfloat16 weights without an fp32 master: Kahan compensation ----------------------------------
+
+optimi = pytest.importorskip("optimi")
+
+
+def _bf16_run(make: Any, steps: int = 100, seed: int = 0) -> list[torch.Tensor]:
+    init = _params(SHAPES[:4], seed=seed)
+    ps = [p.to(torch.bfloat16).requires_grad_() for p in init]
+    opt = make(ps)
+    g = torch.Generator().manual_seed(seed + 7)
+    for _ in range(steps):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g).to(torch.bfloat16)
+        opt.step()
+    return [p.detach().float() for p in ps]
+
+
+def test_kahan_weights_follow_optimis_kahan_sum() -> None:
+    """torch-optimi's AdamW(kahan_sum=True) is the reference of the mechanism (its moments are
+    bf16 with debiased betas, ours torch's, so single roundings differ): after 100 steps the
+    largest gap to it is at most half of its own distance to a plain bf16 torch AdamW, and the
+    share of weights equal to it is stated (the issue's 99.9% is not reached: see the note)."""
+    kw = {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.999), "eps": 1e-8}
+    ours = _bf16_run(lambda ps: AdamW(ps, master_dtype=torch.bfloat16, state_dtype=torch.bfloat16, **kw))
+    ref = _bf16_run(lambda ps: optimi.AdamW(ps, kahan_sum=True, **kw))
+    plain = _bf16_run(lambda ps: torch.optim.AdamW(ps, **kw))
+    same = sum(int((a == b).sum()) for a, b in zip(ours, ref))
+    total = sum(a.numel() for a in ours)
+    print(f"weights equal to optimi's: {same}/{total} = {same / total:.4f}")
+    for a, b, c in zip(ours, ref, plain):
+        assert (a - b).abs().max() <= 0.5 * (b - c).abs().max()
+    assert same / total >= 0.9
+
+
+def test_kahan_weights_track_the_fp32_master() -> None:
+    """The point of the compensation: bf16 weights plus their compensation follow the fp32
+    master's trajectory (fp32 moments in both), far closer than bf16 weights rounded each step."""
+    kw = {"lr": 1e-4, "weight_decay": 0.01}
+    runs = {}
+    for name, make in (
+        ("kahan", lambda ps: AdamW(ps, master_dtype=torch.bfloat16, **kw)),
+        ("master", lambda ps: AdamW(ps, **kw)),
+        ("plain", lambda ps: torch.optim.AdamW(ps, **kw)),
+    ):
+        holder: list[Any] = []
+        runs[name] = _bf16_run(lambda ps, make=make: holder.append(make(ps)) or holder[0], steps=60)
+        runs[name + "_opt"] = holder[0]
+    ours_opt, master_opt = runs["kahan_opt"], runs["master_opt"]
+    for i, p in enumerate(ours_opt.param_groups[0]["params"]):
+        q = master_opt.param_groups[0]["params"][i]
+        master = master_opt.state[q]["master_param"]
+        kahan = p.detach().float() + ours_opt.state[p]["kahan_comp"].float()
+        plain = runs["plain"][i]
+        assert (kahan - master).abs().mean() < 0.2 * (plain - master).abs().mean()
+
+
+def test_compact_bf16_state_is_4_bytes_per_parameter() -> None:
+    """uint8 moments and Kahan weights: 2 B of compensation and 2 x (1 + 4/256) B of moments per
+    quantized parameter (12 with fp32 masters and bf16 moments)."""
+    n = 1 << 20
+    reps = {}
+    for kw in ({"state_dtype": torch.uint8, "master_dtype": torch.bfloat16}, {"state_dtype": torch.bfloat16}):
+        p = torch.zeros(n, dtype=torch.bfloat16, requires_grad=True)
+        opt = AdamW([p], **kw)
+        p.grad = torch.zeros_like(p)
+        opt.step()
+        reps[kw["state_dtype"]] = opt.memory_report()["host_bytes"] / n
+    assert 4.0 <= reps[torch.uint8] <= 4.05, reps
+    assert 8.0 <= reps[torch.bfloat16] <= 8.05, reps  # fp32 master 4 + bf16 moments 2 x 2
+
+
+def test_kahan_state_dicts_convert_to_and_from_fp32_masters() -> None:
+    init = _params(SHAPES[:2])
+    ps = [p.to(torch.bfloat16).requires_grad_() for p in init]
+    master = AdamW(ps, lr=1e-3)
+    for _ in range(5):
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        master.step()
+    sd = master.state_dict()
+    qs = [p.detach().clone().requires_grad_() for p in ps]
+    kahan = AdamW(qs, lr=1e-3, master_dtype=torch.bfloat16)
+    kahan.load_state_dict(sd)
+    for p, q in zip(ps, qs):
+        st = kahan.state[q]
+        assert "master_param" not in st and st["kahan_comp"].dtype == torch.bfloat16
+        # weights + compensation stand for the fp32 master, to the compensation's rounding
+        want = master.state[p]["master_param"]
+        assert ((q.float() + st["kahan_comp"].float()) - want).abs().max() <= want.abs().max() * 2**-16
+    # and back: an fp32-master optimizer takes weights + compensation as its master
+    rs = [q.detach().clone().requires_grad_() for q in qs]
+    back = AdamW(rs, lr=1e-3)
+    back.load_state_dict(kahan.state_dict())
+    for q, r in zip(qs, rs):
+        torch.testing.assert_close(back.state[r]["master_param"], q.float() + kahan.state[q]["kahan_comp"].float(), rtol=0, atol=0)
+    # round trip of ours
+    ts = [q.detach().clone().requires_grad_() for q in qs]
+    again = AdamW(ts, lr=1e-3, master_dtype=torch.bfloat16)
+    again.load_state_dict(copy.deepcopy(kahan.state_dict()))
+    for _ in range(3):
+        for q, t in zip(qs, ts):
+            q.grad = torch.randn_like(q)
+            t.grad = q.grad.clone()
+        kahan.step()
+        again.step()
+    for q, t in zip(qs, ts):
+        assert torch.equal(q, t)
+
+
+def test_kahan_needs_the_weights_on_the_host_and_leaves_fp16_its_master() -> None:
+    with pytest.raises(ValueError, match="master_dtype must be torch.float32 or torch.bfloat16"):
+        AdamW([torch.zeros(4, requires_grad=True)], master_dtype=torch.float16)
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
+        with pytest.raises(ValueError, match="master_dtype=torch.bfloat16 needs the weights on the host"):
+            AdamW([torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)], master_dtype=torch.bfloat16)
+    h = torch.zeros(64, dtype=torch.float16, requires_grad=True)
+    opt = AdamW([h], master_dtype=torch.bfloat16)
+    h.grad = torch.ones_like(h)
+    opt.step()
+    assert "master_param" in opt.state[h] and "kahan_comp" not in opt.state[h]

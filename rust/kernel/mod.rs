@@ -315,30 +315,29 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
         Some(k) if !matches!(exp_avg, StateMut::Q8 { .. }) => (None, Some(k)),
         k => (k, None),
     };
+    // The float moments' one match: `$f!(args.., amsgrad, m, v, x)` on their dtype.
+    macro_rules! float_moments {
+        ($f:ident $(, $a:expr)*) => {
+            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
+                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => $f!($($a,)* true, m, v, x),
+                (StateMut::F32(m), StateMut::F32(v), _) => $f!($($a,)* false, m, v, &mut []),
+                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => $f!($($a,)* true, m, v, x),
+                (StateMut::Bf16(m), StateMut::Bf16(v), _) => $f!($($a,)* false, m, v, &mut []),
+                _ => unreachable!("validated: moments share one dtype"),
+            }
+        };
+    }
     if let Some(k) = float_kahan {
         macro_rules! kh {
-            ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
+            ($g:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {
                 // SAFETY: lengths validated; path support is the caller's contract.
                 unsafe { P::update_kahan::<_, _, $ams>(&consts, k, $g, $m, $v, $x) }
             };
         }
-        macro_rules! by_state_k {
-            ($g:expr) => {
-                match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
-                    (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => kh!(true, $g, m, v, x),
-                    (StateMut::F32(m), StateMut::F32(v), _) => kh!(false, $g, m, v, &mut []),
-                    (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => {
-                        kh!(true, $g, m, v, x)
-                    }
-                    (StateMut::Bf16(m), StateMut::Bf16(v), _) => kh!(false, $g, m, v, &mut []),
-                    _ => unreachable!("validated: moments share one dtype"),
-                }
-            };
-        }
         match grad {
-            GradRef::F32(g) => by_state_k!(g),
-            GradRef::Bf16(g) => by_state_k!(g),
-            GradRef::F16(g) => by_state_k!(g),
+            GradRef::F32(g) => float_moments!(kh, g),
+            GradRef::Bf16(g) => float_moments!(kh, g),
+            GradRef::F16(g) => float_moments!(kh, g),
             GradRef::InOut => unreachable!("validated: Kahan weights read their gradient"),
         }
         return;
@@ -373,46 +372,24 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
         return;
     }
     macro_rules! go {
-        ($ams:literal, $g:expr, $m:expr, $v:expr, $x:expr) => {
+        ($g:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {
             // SAFETY: lengths validated; path support is the caller's contract.
             unsafe { P::update::<_, _, $ams>(&consts, param, $g, $m, $v, $x, &mut out, next) }
         };
     }
-    macro_rules! by_state {
-        ($g:expr) => {
-            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
-                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => go!(true, $g, m, v, x),
-                (StateMut::F32(m), StateMut::F32(v), _) => go!(false, $g, m, v, &mut []),
-                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => go!(true, $g, m, v, x),
-                (StateMut::Bf16(m), StateMut::Bf16(v), _) => go!(false, $g, m, v, &mut []),
-                _ => unreachable!("validated: moments share one dtype"),
-            }
+    macro_rules! go_inout {
+        ($o:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {
+            // SAFETY: as above.
+            unsafe { P::update_inout::<_, _, $ams>(&consts, param, $o, $m, $v, $x) }
         };
     }
-    macro_rules! inout {
-        ($o:expr) => {{
-            macro_rules! go2 {
-                ($ams:literal, $m:expr, $v:expr, $x:expr) => {
-                    // SAFETY: as above.
-                    unsafe { P::update_inout::<_, _, $ams>(&consts, param, $o, $m, $v, $x) }
-                };
-            }
-            match (exp_avg, exp_avg_sq, max_exp_avg_sq) {
-                (StateMut::F32(m), StateMut::F32(v), Some(StateMut::F32(x))) if amsgrad => go2!(true, m, v, x),
-                (StateMut::F32(m), StateMut::F32(v), _) => go2!(false, m, v, &mut []),
-                (StateMut::Bf16(m), StateMut::Bf16(v), Some(StateMut::Bf16(x))) if amsgrad => go2!(true, m, v, x),
-                (StateMut::Bf16(m), StateMut::Bf16(v), _) => go2!(false, m, v, &mut []),
-                _ => unreachable!("validated: moments share one dtype"),
-            }
-        }};
-    }
     match grad {
-        GradRef::F32(g) => by_state!(g),
-        GradRef::Bf16(g) => by_state!(g),
-        GradRef::F16(g) => by_state!(g),
+        GradRef::F32(g) => float_moments!(go, g),
+        GradRef::Bf16(g) => float_moments!(go, g),
+        GradRef::F16(g) => float_moments!(go, g),
         GradRef::InOut => match std::mem::replace(&mut out, OutMut::None) {
-            OutMut::Bf16(o) => inout!(o),
-            OutMut::F16(o) => inout!(o),
+            OutMut::Bf16(o) => float_moments!(go_inout, o),
+            OutMut::F16(o) => float_moments!(go_inout, o),
             OutMut::None => unreachable!("validated: InOut has a copy buffer"),
         },
     }

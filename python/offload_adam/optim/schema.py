@@ -180,6 +180,14 @@ def _flat(t: Tensor) -> Tensor:
     return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
 
 
+def _dequantize(codes: Tensor, absmax: Tensor, m: Moment) -> Tensor:
+    """The float32 values of dense ``codes`` (blocks in their memory order) and their absmax,
+    shaped and strided like the codes."""
+    out = torch.empty_like(codes, dtype=torch.float32)
+    _native.dequantize(_flat(codes), absmax.contiguous().reshape(-1), _flat(out), signed=m.signed)
+    return out
+
+
 def write_moment(views: Mapping[str, Tensor], codec: Codec, m: Moment, src: Mapping[str, Any], local: Local) -> None:
     """Writes moment ``m`` of a checked entry ``src`` into a slot's ``views`` (its codec's),
     quantizing or dequantizing as the two forms require. Codes are tied to the parameter's
@@ -194,9 +202,7 @@ def write_moment(views: Mapping[str, Tensor], codec: Codec, m: Moment, src: Mapp
         dst = views[m.key]
         mem = torch.empty_like(dst, dtype=torch.uint8)  # the codes in the slot's memory order
         mem.copy_(codes)
-        out = torch.empty_like(dst, dtype=torch.float32)
-        _native.dequantize(_flat(mem), absmax.contiguous(), _flat(out), signed=m.signed)
-        dst.copy_(out)
+        dst.copy_(_dequantize(mem, absmax, m))
         return
     t = local(src[m.key], m.key)
     if codec.quantized:
@@ -231,10 +237,7 @@ def dequantized(state_dict: dict[str, Any]) -> dict[str, Any]:
             absmax = e.pop(m.key + "_absmax", None)
             if codes is None or absmax is None:
                 continue
-            mem = codes if is_dense(codes) else codes.contiguous()
-            x = torch.empty_like(mem, dtype=torch.float32)
-            _native.dequantize(_flat(mem), absmax.contiguous().reshape(-1), _flat(x), signed=m.signed)
-            e[m.key] = x
+            e[m.key] = _dequantize(codes if is_dense(codes) else codes.contiguous(), absmax, m)
         state[k] = e
     out["state"] = state
     return out

@@ -20,6 +20,21 @@ pub fn err(e: Error) -> PyErr {
     }
 }
 
+/// A `ValueError`: the binding's own checks raise through the one mapping, as core errors do.
+pub fn value_error(m: impl Into<String>) -> PyErr {
+    err(Error::Value(m.into()))
+}
+
+/// A `TypeError` (see [`value_error`]).
+pub fn type_error(m: impl Into<String>) -> PyErr {
+    err(Error::Type(m.into()))
+}
+
+/// A `RuntimeError` (see [`value_error`]).
+pub fn runtime_error(m: impl Into<String>) -> PyErr {
+    err(Error::Runtime(m.into()))
+}
+
 /// The SIMD path named by a call, or the default one (`OFFLOAD_ADAM_SIMD`, else the best).
 pub fn simd_or_default(simd: Option<&str>) -> PyResult<Simd> {
     match simd {

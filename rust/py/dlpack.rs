@@ -18,12 +18,13 @@
 
 use std::ffi::{c_void, CStr};
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::PyTypeError;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyCapsule, PyDict, PyWeakrefMethods, PyWeakrefReference};
 
+use super::convert::{runtime_error, type_error, value_error};
 use crate::elem::{Bf16, F16};
 use crate::kernel::{GradRef, HostMut};
 use crate::layout::{check_disjoint, merge_disjoint};
@@ -194,7 +195,7 @@ impl Import {
             obj.clone()
         } else {
             if !obj.hasattr("__dlpack__")? {
-                return Err(PyTypeError::new_err(format!(
+                return Err(type_error(format!(
                     "{name}: expected a torch.Tensor (an object with __dlpack__), got {}",
                     obj.get_type().name()?
                 )));
@@ -206,9 +207,9 @@ impl Import {
                 // A producer that predates DLPack 1.0 does not know `max_version`.
                 Err(e) if e.is_instance_of::<PyTypeError>(py) => obj
                     .call_method0("__dlpack__")
-                    .map_err(|e| PyValueError::new_err(format!("{name}: DLPack export failed: {e}")))?,
+                    .map_err(|e| value_error(format!("{name}: DLPack export failed: {e}")))?,
                 Err(e) => {
-                    return Err(PyValueError::new_err(format!("{name}: DLPack export failed: {e}")));
+                    return Err(value_error(format!("{name}: DLPack export failed: {e}")));
                 }
             }
         };
@@ -230,7 +231,7 @@ impl Import {
                 }
                 (Managed::Legacy(m), &(*m).dl_tensor, 0)
             } else {
-                return Err(PyValueError::new_err(format!(
+                return Err(value_error(format!(
                     "{name}: not a usable DLPack capsule (already consumed, or not a dltensor)"
                 )));
             }
@@ -265,34 +266,34 @@ impl Import {
         };
         import.dtype = DType::from_dl(dl_dtype).map_err(|got| {
             // (uint8 imports too, for checksums and transfers: the kernel's own checks refuse it)
-            PyTypeError::new_err(format!("{name}: dtype must be float32, bfloat16 or float16, got {got}"))
+            type_error(format!("{name}: dtype must be float32, bfloat16 or float16, got {got}"))
         })?;
         match device.device_type {
             K_DL_CPU | K_DL_CUDA_HOST => {}
             K_DL_CUDA => {
-                return Err(PyValueError::new_err(format!(
+                return Err(value_error(format!(
                     "{name}: is on cuda:{}; the kernel needs it in host memory (CPU or pinned)",
                     device.device_id
                 )))
             }
             other => {
-                return Err(PyValueError::new_err(format!(
+                return Err(value_error(format!(
                     "{name}: is on DLPack device type {other}; the kernel needs host memory (CPU or pinned)"
                 )))
             }
         }
         if flags & FLAG_READ_ONLY != 0 {
-            return Err(PyValueError::new_err(format!("{name}: is read-only")));
+            return Err(value_error(format!("{name}: is read-only")));
         }
         if flags & FLAG_IS_COPIED != 0 {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: was copied on export; the kernel must work on the tensor's own memory"
             )));
         }
         let numel: i64 = import.shape.iter().product();
         import.len = numel.max(0) as usize;
         if import.len > 0 && t.data.is_null() {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: exports a null data pointer for {} elements (a DTensor or another tensor subclass \
                  without local memory); pass its local tensor",
                 import.len
@@ -302,13 +303,13 @@ impl Import {
         import.strides = strides.unwrap_or_else(|| contiguous_strides.clone());
         import.contiguous = is_contiguous(&import.shape, &import.strides);
         if !is_dense(&import.shape, &import.strides) {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: must be dense in memory (contiguous, or a permutation of it), got shape {:?} strides {:?}",
                 import.shape, import.strides
             )));
         }
         if import.len > 0 && !(import.ptr as usize).is_multiple_of(import.dtype.size()) {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: data pointer {:#x} is not aligned to its {}-byte elements",
                 import.ptr as usize,
                 import.dtype.size()
@@ -366,7 +367,7 @@ impl Import {
 
     pub fn require(&self, dtype: DType, name: &str) -> PyResult<()> {
         if self.dtype != dtype {
-            return Err(PyTypeError::new_err(format!(
+            return Err(type_error(format!(
                 "{name}: dtype must be {}, got {}",
                 dtype.name(),
                 self.dtype.name()
@@ -445,7 +446,7 @@ impl Writable {
             .enumerate()
             .find(|(j, other)| *j != index && other.as_ref().is_some_and(|o| o.range().0 < hi && lo < o.range().1));
         if let (Some((j, _)), true) = (clash, hi > lo) {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name} and {} share memory; each parameter needs its own storage",
                 self.names[j]
             )));
@@ -622,19 +623,19 @@ fn grad_info(g: &Bound<'_, PyAny>, spec: &GradSpec<'_>, t: &Torch) -> PyResult<G
     let py = g.py();
     let name = spec.name;
     if !g.getattr(intern!(py, "layout"))?.is(&t.strided) {
-        return Err(PyRuntimeError::new_err(format!(
+        return Err(runtime_error(format!(
             "{name}: Adam does not support sparse gradients, please consider SparseAdam instead"
         )));
     }
     let dt = g.getattr(intern!(py, "dtype"))?;
     let dtype = if spec.complex {
         if !dt.is(&t.complex64) {
-            return Err(PyTypeError::new_err(format!(
+            return Err(type_error(format!(
                 "{name}: gradient dtype must be complex64 like the parameter, got {dt}"
             )));
         }
         if g.call_method0(intern!(py, "is_conj"))?.is_truthy()? || g.call_method0(intern!(py, "is_neg"))?.is_truthy()? {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: gradient has a lazy conj/neg bit; resolve it first"
             )));
         }
@@ -646,19 +647,19 @@ fn grad_info(g: &Bound<'_, PyAny>, spec: &GradSpec<'_>, t: &Torch) -> PyResult<G
     } else if dt.is(&t.float16) {
         DType::F16
     } else {
-        return Err(PyTypeError::new_err(format!(
+        return Err(type_error(format!(
             "{name}: gradient dtype must be float32, bfloat16 or float16, got {dt}"
         )));
     };
     if !g.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
         let dev = g.getattr(intern!(py, "device"))?;
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: gradient is on {dev}, the parameter on the CPU"
         )));
     }
     let numel: usize = g.call_method0(intern!(py, "numel"))?.extract()?;
     if numel != spec.numel {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: gradient has {numel} elements, the parameter {}",
             spec.numel
         )));
@@ -668,19 +669,19 @@ fn grad_info(g: &Bound<'_, PyAny>, spec: &GradSpec<'_>, t: &Torch) -> PyResult<G
         Some(s) => g.call_method0(intern!(py, "stride"))?.extract::<Vec<i64>>()? == s,
     };
     if !same_layout && numel > 1 {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: gradient's memory layout differs from the parameter's (strides {}); make it match, e.g. p.grad = p.grad.contiguous()",
             g.call_method0(intern!(py, "stride"))?
         )));
     }
     let ptr = data_ptr(g)?;
     if numel > 0 && ptr == 0 {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: gradient has no local memory (null data pointer)"
         )));
     }
     if numel > 0 && !ptr.is_multiple_of(dtype.size()) {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: gradient data is not aligned to its elements"
         )));
     }

@@ -1,10 +1,9 @@
 //! Module-level functions: the kernel without an optimizer around it (tests, benchmarks), the
 //! gradient reductions, host-side gradient accumulation, and the SIMD path in use.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
-use super::convert::{err, hyper, pool, simd_or_default};
+use super::convert::{err, hyper, pool, simd_or_default, type_error, value_error};
 use super::dlpack::{carve_sets, DType, Import, Writable};
 use crate::isa::Simd;
 use crate::kernel::{self, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
@@ -30,7 +29,7 @@ fn with_grads<R>(tensors: &Bound<'_, PyAny>, f: impl FnOnce(&[GradRef<'_>]) -> R
             .map(|(i, b)| (Some(b), format!("tensors[{i}]")))
             .collect(),
     )
-    .map_err(|e| PyValueError::new_err(format!("{e} (the tensors of one call must not overlap)")))?;
+    .map_err(|e| value_error(format!("{e} (the tensors of one call must not overlap)")))?;
     let (mut carved, _) = carve_sets(vec![&mut w])?;
     let refs: Vec<GradRef<'_>> = carved
         .pop()
@@ -93,7 +92,7 @@ pub fn grad_accumulate(
     let d = Import::new(dst, "dst")?;
     let s = Import::new(src, "src")?;
     if !d.contiguous || !s.contiguous {
-        return Err(PyValueError::new_err("dst and src must be contiguous"));
+        return Err(value_error("dst and src must be contiguous"));
     }
     let mut w = Writable::new(vec![(Some(d), "dst".into()), (Some(s), "src".into())])?;
     let (mut carved, _) = carve_sets(vec![&mut w])?;
@@ -133,9 +132,7 @@ pub fn adam_update(
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
     if step == 0 {
-        return Err(PyValueError::new_err(
-            "step: must be >= 1 (the count after this update)",
-        ));
+        return Err(value_error("step: must be >= 1 (the count after this update)"));
     }
     let hyper_tuple = (lr, betas.0, betas.1, eps, weight_decay, decoupled, amsgrad, maximize);
     let h = hyper(hyper_tuple, "adam_update", grad_scale, bias_correction)?;
@@ -156,26 +153,19 @@ pub fn adam_update(
     .flatten()
     .collect();
     if amsgrad && max_exp_avg_sq.is_none() {
-        return Err(PyValueError::new_err("max_exp_avg_sq: required with amsgrad=True"));
+        return Err(value_error("max_exp_avg_sq: required with amsgrad=True"));
     }
     for (b, what) in named.iter().map(|(b, w)| (b, *w)).chain([(&g, "grad")]) {
         if b.len != n {
-            return Err(PyValueError::new_err(format!(
-                "{what}: has {} elements, param {n}",
-                b.len
-            )));
+            return Err(value_error(format!("{what}: has {} elements, param {n}", b.len)));
         }
         if !b.contiguous {
-            return Err(PyValueError::new_err(format!("{what}: must be contiguous")));
+            return Err(value_error(format!("{what}: must be contiguous")));
         }
         match what {
-            "out" if b.dtype == DType::F32 => {
-                return Err(PyTypeError::new_err("out: dtype must be bfloat16 or float16"))
-            }
+            "out" if b.dtype == DType::F32 => return Err(type_error("out: dtype must be bfloat16 or float16")),
             "exp_avg" | "exp_avg_sq" | "max_exp_avg_sq" if b.dtype == DType::F16 => {
-                return Err(PyTypeError::new_err(format!(
-                    "{what}: state dtype must be float32 or bfloat16"
-                )))
+                return Err(type_error(format!("{what}: state dtype must be float32 or bfloat16")))
             }
             _ => {}
         }
@@ -193,9 +183,7 @@ pub fn adam_update(
     let mut r = Writable::new(vec![(Some(g), "grad".into())])?;
     if let Some(&(lo, hi)) = r.ranges().first() {
         if overlaps(w.ranges(), lo, hi) {
-            return Err(PyValueError::new_err(
-                "grad: shares memory with a buffer the kernel writes",
-            ));
+            return Err(value_error("grad: shares memory with a buffer the kernel writes"));
         }
     }
     let (mut carved, _) = carve_sets(vec![&mut w])?;
@@ -257,7 +245,7 @@ fn codec_buffers(tensors: [(&Bound<'_, PyAny>, &str, DType); 3]) -> PyResult<Wri
         let imp = Import::new(t, name)?;
         imp.require(dtype, name)?;
         if !imp.contiguous {
-            return Err(PyValueError::new_err(format!("{name}: must be contiguous")));
+            return Err(value_error(format!("{name}: must be contiguous")));
         }
         entries.push((Some(imp), name.to_string()));
     }
@@ -266,7 +254,7 @@ fn codec_buffers(tensors: [(&Bound<'_, PyAny>, &str, DType); 3]) -> PyResult<Wri
 
 fn check_blocks(n: usize, codes: usize, absmax: usize) -> PyResult<()> {
     if !n.is_multiple_of(q8::QBLOCK) || codes != n || absmax != n / q8::QBLOCK {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "codes and absmax: {n} elements need {n} codes and {} absmax values (whole blocks of {}), got {codes} and {absmax}",
             n / q8::QBLOCK,
             q8::QBLOCK

@@ -4,10 +4,9 @@
 
 use std::sync::{Arc, Mutex};
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
-use super::convert::err;
+use super::convert::{err, value_error};
 use super::dlpack::Import;
 use crate::io::{self, Backend, Request};
 
@@ -16,9 +15,7 @@ fn backend_named(name: Option<&str>) -> PyResult<Option<Backend>> {
         None => Ok(None),
         Some("uring") => Ok(Some(Backend::Uring)),
         Some("threads") => Ok(Some(Backend::Threads)),
-        Some(o) => Err(PyValueError::new_err(format!(
-            "backend must be 'uring' or 'threads', got {o:?}"
-        ))),
+        Some(o) => Err(value_error(format!("backend must be 'uring' or 'threads', got {o:?}"))),
     }
 }
 
@@ -73,9 +70,7 @@ impl IoEngine {
         for (i, (write, file, t, offset)) in requests.into_iter().enumerate() {
             let imp = Import::new(&t, &format!("requests[{i}]"))?;
             if !imp.contiguous {
-                return Err(PyValueError::new_err(format!(
-                    "requests[{i}]: the tensor must be contiguous"
-                )));
+                return Err(value_error(format!("requests[{i}]: the tensor must be contiguous")));
             }
             let (a, b) = imp.range();
             reqs.push(Request {
@@ -104,11 +99,7 @@ impl IoEngine {
         let write = match op {
             "read" => false,
             "write" => true,
-            o => {
-                return Err(PyValueError::new_err(format!(
-                    "op must be 'read' or 'write', got {o:?}"
-                )))
-            }
+            o => return Err(value_error(format!("op must be 'read' or 'write', got {o:?}"))),
         };
         self.inner.inject_fault(write, errno, after);
         Ok(())
@@ -159,7 +150,7 @@ impl Drop for IoTicket {
 pub fn crc32c(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<u32> {
     let imp = Import::new(tensor, "tensor")?;
     if !imp.contiguous {
-        return Err(PyValueError::new_err("tensor: must be contiguous"));
+        return Err(value_error("tensor: must be contiguous"));
     }
     let bytes = imp.bytes();
     Ok(py.detach(|| io::crc32c(bytes)))
@@ -178,7 +169,7 @@ pub fn io_backend() -> PyResult<&'static str> {
 pub fn discard_memory(tensor: &Bound<'_, PyAny>) -> PyResult<()> {
     let imp = Import::new(tensor, "tensor")?;
     if !imp.contiguous {
-        return Err(PyValueError::new_err("tensor: must be contiguous"));
+        return Err(value_error("tensor: must be contiguous"));
     }
     imp.discard().map_err(err)
 }

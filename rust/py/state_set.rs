@@ -11,11 +11,10 @@
 
 use std::sync::{Mutex, MutexGuard};
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 
-use super::convert::{err, hyper, pool, simd_or_default, HyperTuple};
+use super::convert::{err, hyper, pool, runtime_error, simd_or_default, type_error, value_error, HyperTuple};
 use super::dlpack::{carve_sets, data_ptr, torch, CheckedGrad, DType, GradCache, GradSpec, Import, Writable};
 use crate::elem::Bf16;
 use crate::kernel::{self, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
@@ -95,20 +94,20 @@ fn import_param(p: &Bound<'_, PyAny>, name: &str) -> PyResult<(Param, Import)> {
     let numel: usize = p.call_method0(intern!(py, "numel"))?.extract()?;
     let imp = Import::new(&export(p, complex)?, name)?;
     if imp.dtype == DType::U8 {
-        return Err(PyTypeError::new_err(format!(
+        return Err(type_error(format!(
             "{name}: dtype must be float32, bfloat16 or float16, got uint8"
         )));
     }
     let expected = if complex { 2 * numel } else { numel };
     if imp.len != expected {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: export has {} elements, expected {expected}",
             imp.len
         )));
     }
     let data_ptr = data_ptr(p)?;
     if numel > 0 && data_ptr != imp.addr() {
-        return Err(PyValueError::new_err(format!(
+        return Err(value_error(format!(
             "{name}: the export is not the parameter's own memory"
         )));
     }
@@ -143,25 +142,25 @@ fn moment_bytes(n: usize, quantized: bool) -> usize {
 /// the buffers, none overlapping.
 fn check_moments(m: &[(usize, bool)], lens: &[usize], names: &[String], total: usize) -> PyResult<()> {
     if m.len() != lens.len() {
-        return Err(PyValueError::new_err("moments: one (offset, quantized) per slot"));
+        return Err(value_error("moments: one (offset, quantized) per slot"));
     }
     let mut ranges = Vec::with_capacity(m.len());
     for (i, (&(off, q), &n)) in m.iter().zip(lens).enumerate() {
         let name = &names[i];
         if q && !n.is_multiple_of(q8::QBLOCK) {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: a quantized moment needs whole blocks of {} elements, it has {n}",
                 q8::QBLOCK
             )));
         }
         if off % 4 != 0 {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: moment offset {off} is not a multiple of 4 bytes"
             )));
         }
         let end = off.checked_add(moment_bytes(n, q)).filter(|&e| e <= total);
         let Some(end) = end else {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "{name}: its moments end past the {total}-byte buffers"
             )));
         };
@@ -178,10 +177,10 @@ fn carve_moments<'a>(
     what: &str,
 ) -> PyResult<Vec<StateMut<'a>>> {
     let Some(HostMut::U8(s)) = b else {
-        return Err(PyRuntimeError::new_err(format!("{what}: missing")));
+        return Err(runtime_error(format!("{what}: missing")));
     };
     let ranges: Vec<(usize, usize)> = items.iter().map(|&(off, n, q)| (off, moment_bytes(n, q))).collect();
-    let misaligned = |_| PyValueError::new_err(format!("{what}: a slot is not on a 4-byte boundary"));
+    let misaligned = |_| value_error(format!("{what}: a slot is not on a 4-byte boundary"));
     carve(s, &ranges)
         .map_err(err)?
         .into_iter()
@@ -227,7 +226,7 @@ impl Inner {
             DType::U8 => false,
         };
         if !same_dtype || shape != e.shape || !p.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
-            return Err(PyRuntimeError::new_err(format!(
+            return Err(runtime_error(format!(
                 "{name}: the parameter's storage was replaced after the optimizer was built, and it is now \
                  {dtype} of shape {shape:?} on {device}, not {} of shape {:?} on the CPU; the optimizer's state \
                  fits the old one. Build the optimizer after model.to()/.double()/p.data = ...",
@@ -284,7 +283,7 @@ impl StateSet {
     ) -> PyResult<StateSet> {
         let n = lens.len();
         if state_offsets.len() != n || names.len() != n {
-            return Err(PyValueError::new_err(
+            return Err(value_error(
                 "lens, state_offsets and names need one entry per parameter",
             ));
         }
@@ -292,25 +291,25 @@ impl StateSet {
         let exp_avg_sq = Import::new(exp_avg_sq, "exp_avg_sq buffer")?;
         let state_dtype = exp_avg.dtype;
         if !matches!(state_dtype, DType::F32 | DType::Bf16 | DType::U8) {
-            return Err(PyTypeError::new_err(
+            return Err(type_error(
                 "exp_avg buffer: state dtype must be float32, bfloat16 or uint8",
             ));
         }
         exp_avg_sq.require(state_dtype, "exp_avg_sq buffer")?;
         if exp_avg_sq.len != exp_avg.len {
-            return Err(PyValueError::new_err("exp_avg and exp_avg_sq buffers differ in length"));
+            return Err(value_error("exp_avg and exp_avg_sq buffers differ in length"));
         }
         match (&moments, state_dtype) {
             (Some(m), DType::U8) => check_moments(m, &lens, &names, exp_avg.len)?,
-            (None, DType::U8) => return Err(PyValueError::new_err("moments: uint8 moment buffers need their slots")),
-            (Some(_), _) => return Err(PyValueError::new_err("moments: only for uint8 moment buffers")),
+            (None, DType::U8) => return Err(value_error("moments: uint8 moment buffers need their slots")),
+            (Some(_), _) => return Err(value_error("moments: only for uint8 moment buffers")),
             (None, _) => {}
         }
 
         let steps = Import::new(steps, "steps buffer")?;
         steps.require(DType::F32, "steps buffer")?;
         if steps.len != n {
-            return Err(PyValueError::new_err(format!(
+            return Err(value_error(format!(
                 "steps buffer: needs {n} elements, has {}",
                 steps.len
             )));
@@ -329,7 +328,7 @@ impl StateSet {
         };
         if let Some(c) = &comp {
             if c.len != state_len {
-                return Err(PyValueError::new_err(
+                return Err(value_error(
                     "Kahan compensation buffer: length differs from the state buffers",
                 ));
             }
@@ -337,7 +336,7 @@ impl StateSet {
         if let Some(m) = &master {
             m.require(DType::F32, "master buffer")?;
             if moments.is_none() && m.len != state_len {
-                return Err(PyValueError::new_err("master buffer: length differs from exp_avg"));
+                return Err(value_error("master buffer: length differs from exp_avg"));
             }
         }
         // Gradients from landing buffers.
@@ -349,7 +348,7 @@ impl StateSet {
             (Some(bufs), Some(where_)) => {
                 // A set reads all its gradients from one source.
                 if bufs.len() != KINDS || where_.len() != n {
-                    return Err(PyValueError::new_err(
+                    return Err(value_error(
                         "landing: three buffers (float32, bfloat16, float16) and one slot per parameter",
                     ));
                 }
@@ -363,7 +362,7 @@ impl StateSet {
                 }
                 slot_landing = where_.into_iter().map(Some).collect();
             }
-            _ => return Err(PyValueError::new_err("landing and landing_slots go together")),
+            _ => return Err(value_error("landing and landing_slots go together")),
         }
         let from_landing = landing_given;
         let slots: Vec<Slot> = (0..n)
@@ -380,12 +379,12 @@ impl StateSet {
         let params = match params {
             None => {
                 if master.is_none() {
-                    return Err(PyValueError::new_err(
+                    return Err(value_error(
                         "master buffer: needed when weights are not written in place",
                     ));
                 }
                 if !from_landing && n > 0 {
-                    return Err(PyValueError::new_err(
+                    return Err(value_error(
                         "gradients: from the parameters' .grad needs params; otherwise give landing buffers",
                     ));
                 }
@@ -393,13 +392,13 @@ impl StateSet {
             }
             Some(ps) => {
                 if ps.len() != n {
-                    return Err(PyValueError::new_err("params: one per slot"));
+                    return Err(value_error("params: one per slot"));
                 }
                 let mut out = Vec::with_capacity(n);
                 for (i, p) in ps.iter().enumerate() {
                     let Some(p) = p else {
                         if !from_landing || master.is_none() {
-                            return Err(PyValueError::new_err(format!(
+                            return Err(value_error(format!(
                                 "{}: a slot not written in place needs a landing slot and a master",
                                 names[i]
                             )));
@@ -410,14 +409,14 @@ impl StateSet {
                     };
                     let (param, imp) = import_param(p, &names[i])?;
                     if imp.len != lens[i] {
-                        return Err(PyValueError::new_err(format!(
+                        return Err(value_error(format!(
                             "{}: has {} elements, its slot {}",
                             names[i], imp.len, lens[i]
                         )));
                     }
                     if param.dtype != DType::F32 && master.is_none() && !(param.dtype == DType::Bf16 && comp.is_some())
                     {
-                        return Err(PyValueError::new_err(format!(
+                        return Err(value_error(format!(
                             "{}: a {} parameter needs a float32 master slot",
                             names[i],
                             param.dtype.name()
@@ -471,15 +470,15 @@ impl StateSet {
     fn replace_param(&self, i: usize, p: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut inner = self.lock()?;
         let Some(params) = inner.params.as_mut() else {
-            return Err(PyRuntimeError::new_err(
+            return Err(runtime_error(
                 "replace_param: this set does not write parameters in place",
             ));
         };
         let Some(e) = params.get_mut(i) else {
-            return Err(PyValueError::new_err(format!("replace_param: no slot {i}")));
+            return Err(value_error(format!("replace_param: no slot {i}")));
         };
         let Some(e) = e.as_mut() else {
-            return Err(PyRuntimeError::new_err(format!(
+            return Err(runtime_error(format!(
                 "replace_param: slot {i} is not written in place"
             )));
         };
@@ -493,9 +492,7 @@ impl StateSet {
         let x = Import::new(buf, "max_exp_avg_sq buffer")?;
         x.require(inner.state_dtype, "max_exp_avg_sq buffer")?;
         if x.len != inner.bufs.get(EXP_AVG).map_or(0, |b| b.len) {
-            return Err(PyValueError::new_err(
-                "max_exp_avg_sq buffer: length differs from exp_avg",
-            ));
+            return Err(value_error("max_exp_avg_sq buffer: length differs from exp_avg"));
         }
         inner.bufs.replace(MAX_EXP_AVG_SQ, x, "max_exp_avg_sq buffer".into())
     }
@@ -540,7 +537,7 @@ impl StateSet {
     fn lock(&self) -> PyResult<MutexGuard<'_, Inner>> {
         self.inner
             .try_lock()
-            .map_err(|_| PyRuntimeError::new_err("another step is running on this param group"))
+            .map_err(|_| runtime_error("another step is running on this param group"))
     }
 }
 
@@ -549,16 +546,14 @@ fn carve_state<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)], what: &str
     Ok(match b {
         Some(HostMut::F32(s)) => carve(s, ranges).map_err(err)?.into_iter().map(StateMut::F32).collect(),
         Some(HostMut::Bf16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(StateMut::Bf16).collect(),
-        Some(HostMut::F16(_) | HostMut::U8(_)) | None => {
-            return Err(PyRuntimeError::new_err(format!("{what}: missing")))
-        }
+        Some(HostMut::F16(_) | HostMut::U8(_)) | None => return Err(runtime_error(format!("{what}: missing"))),
     })
 }
 
 fn carve_f32<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)], what: &str) -> PyResult<Vec<&'a mut [f32]>> {
     match b {
         Some(HostMut::F32(s)) => carve(s, ranges).map_err(err),
-        _ => Err(PyRuntimeError::new_err(format!("{what}: missing"))),
+        _ => Err(runtime_error(format!("{what}: missing"))),
     }
 }
 
@@ -567,7 +562,7 @@ fn carve_any<'a>(b: Option<HostMut<'a>>, ranges: &[(usize, usize)]) -> PyResult<
         Some(HostMut::F32(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::F32).collect(),
         Some(HostMut::Bf16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::Bf16).collect(),
         Some(HostMut::F16(s)) => carve(s, ranges).map_err(err)?.into_iter().map(HostMut::F16).collect(),
-        Some(HostMut::U8(_)) | None => return Err(PyRuntimeError::new_err("landing buffer: missing")),
+        Some(HostMut::U8(_)) | None => return Err(runtime_error("landing buffer: missing")),
     })
 }
 
@@ -597,7 +592,7 @@ pub fn adam_step(
     simd: Option<&str>,
 ) -> PyResult<Vec<Vec<usize>>> {
     if sets.len() != hypers.len() || sets.len() != selections.len() {
-        return Err(PyValueError::new_err("sets, hypers and selections: one entry per set"));
+        return Err(value_error("sets, hypers and selections: one entry per set"));
     }
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
@@ -612,7 +607,7 @@ pub fn adam_step(
     for (si, (inner, (h, sel))) in guards.iter_mut().zip(hypers.into_iter().zip(selections)).enumerate() {
         let h = hyper(h, &format!("param group {si}"), grad_scale, bias_correction)?;
         if h.amsgrad && inner.bufs.get(MAX_EXP_AVG_SQ).is_none() {
-            return Err(PyRuntimeError::new_err(format!(
+            return Err(runtime_error(format!(
                 "param group {si}: amsgrad needs a max_exp_avg_sq buffer"
             )));
         }
@@ -623,11 +618,7 @@ pub fn adam_step(
                 v
             }
             None if inner.grads.is_some() => (0..inner.layout.len()).collect(),
-            None => {
-                return Err(PyValueError::new_err(
-                    "selections: required for gradients from landing buffers",
-                ))
-            }
+            None => return Err(value_error("selections: required for gradients from landing buffers")),
         };
         let mut keep = Vec::with_capacity(idx.len());
         for i in idx {
@@ -700,7 +691,7 @@ pub fn adam_step(
             if let Some(c) = c {
                 let (lo, hi) = c.range();
                 if crate::layout::overlaps(&written, lo, hi) {
-                    return Err(PyValueError::new_err(format!(
+                    return Err(value_error(format!(
                         "{}: gradient shares memory with a parameter or the optimizer's state",
                         names[sel[j]]
                     )));
@@ -748,7 +739,7 @@ pub fn adam_step(
         if !comp_pos.is_empty() {
             let r: Vec<(usize, usize)> = comp_pos.iter().map(|&j| ranges[j]).collect();
             let Some(HostMut::Bf16(b)) = bufs[COMP].take() else {
-                return Err(PyRuntimeError::new_err("Kahan compensation buffer: missing"));
+                return Err(runtime_error("Kahan compensation buffer: missing"));
             };
             for (j, c) in comp_pos.iter().zip(carve(b, &r).map_err(err)?) {
                 comps[*j] = Some(c);
@@ -772,7 +763,7 @@ pub fn adam_step(
         }
         let steps = match bufs[STEPS].take() {
             Some(HostMut::F32(s)) => s,
-            _ => return Err(PyRuntimeError::new_err("steps buffer: missing")),
+            _ => return Err(runtime_error("steps buffer: missing")),
         };
         let mut last: Option<(u64, Consts)> = None;
         let mut next_steps = Vec::with_capacity(sel.len());
@@ -789,7 +780,7 @@ pub fn adam_step(
             };
             let master = masters[j].take();
             let landing = landed[j].take();
-            let missing = |what: &str| PyRuntimeError::new_err(format!("{}: no {what}", names[i]));
+            let missing = |what: &str| runtime_error(format!("{}: no {what}", names[i]));
             let mut kahan_w = None;
             let (param, out, grad) = match own(i) {
                 Some(_) => {

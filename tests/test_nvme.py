@@ -116,6 +116,22 @@ def test_cpu_groups_bitwise_equal_to_ram_tier(io: str, nvme_dir: str, mode: dict
     nv.close()
 
 
+@pytest.mark.parametrize("budget", [0.0, 0.3 / 1024], ids=["all-paged", "half-budget"])
+def test_amsgrad_switched_on_later_bitwise_equal_to_ram_tier(nvme_dir: str, budget: float) -> None:
+    """The maximum starts from the state as it is (``exp_avg_sq``) on every page, resident,
+    paged or kept in RAM by the budget, as in the RAM tier."""
+    ps, qs = _params(), _params()
+    nv = AdamW(_groups(ps), lr=1e-2, offload="nvme", nvme_dir=nvme_dir, bucket_mb=BUCKET_MB, host_budget_gb=budget)
+    ram = AdamW(_groups(qs), lr=1e-2, bucket_mb=BUCKET_MB)
+    for opt, xs in ((nv, ps), (ram, qs)):
+        _train(opt, xs, range(5))
+        for g in opt.param_groups:
+            g["amsgrad"] = True
+        _train(opt, xs, range(5, 12))
+    _assert_identical(nv, ram, ps, qs)
+    nv.close()
+
+
 class Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -180,7 +180,8 @@ class RunDir:
 @dataclass
 class Family:
     """Buffers sharing one element layout, each with its own file (see the module
-    documentation). A buffer added later (``Pager.add_buffer``) reads zeros until written."""
+    documentation). A buffer added later (``Pager.add_buffer``) reads zeros until written, where
+    its page is not resident."""
 
     name: str
     total: int  # elements of each buffer
@@ -257,12 +258,11 @@ class Pager:
 
     def add_buffer(self, fam: Family, key: str, buf: Tensor) -> None:
         """A buffer of ``fam`` (``fam.total`` elements, ``ALIGN``-aligned host memory, untouched
-        where paged: :func:`aligned_empty`); its file is created now, its blocks allocated."""
+        where paged: :func:`aligned_empty`); its file is created now, its blocks allocated. Pages
+        resident now, and those the host budget keeps in RAM, keep what the caller wrote in them
+        (a maximum copied from ``exp_avg_sq``); the others read zeros until written."""
         fam.buffers[key] = buf
         self._file(fam, key)
-        for p in self.pages:
-            if p.family is fam and p.pinned:  # zeros, once; they stay in RAM
-                buf[p.start : p.end].zero_()
 
     def add_pages(self, fam: Family, ranges: Sequence[tuple[int, int, str]], what: str) -> list[int]:
         """Pages of ``fam`` over ``(start, end, label)`` element ranges, in the order they are

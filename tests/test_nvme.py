@@ -450,7 +450,9 @@ def test_sigkill_mid_step_then_resume_from_checkpoint(nvme_dir: str, tmp_path: A
 
 def test_resident_memory_is_bounded_by_the_window(nvme_dir: str) -> None:
     """32 parameters of 1M elements (256 MB of fp32 moments): the process's peak resident memory
-    grows by the window, not by the state (measured in a fresh process)."""
+    grows by the window, not by the state (measured in a fresh process); the window's own memory
+    (leased and parked) is within it too, the same from step to step, and after a checkpoint that
+    made the whole state resident."""
     code = textwrap.dedent("""
         import sys, torch
         from offload_adam import AdamW
@@ -469,18 +471,57 @@ def test_resident_memory_is_bounded_by_the_window(nvme_dir: str) -> None:
         AdamW([torch.nn.Parameter(torch.zeros(1))], **kw).step()  # what the first optimizer imports
         base = rss()
         opt = AdamW(ps, bucket_mb=4, **kw)
+        def mappings():
+            return sum(1 for _ in open("/proc/self/maps"))
+        opt.step()
+        first, maps = opt.memory_report().get("window_held_bytes", 0), mappings()
         for _ in range(3):
             opt.step()
-        rep = opt.memory_report()
-        print(peak() - base, rep.get("window_bytes", 0), rep.get("nvme_bytes", 0))
+        rep, grew = opt.memory_report(), peak() - base
+        opt.state_dict()  # the whole state resident for the duration, then given back
+        after = opt.memory_report().get("window_held_bytes", 0)
+        print(grew, rep.get("window_bytes", 0), rep.get("nvme_bytes", 0), rep.get("window_held_bytes", 0), first,
+              mappings() - maps, after)
     """)
     out = {}
     for tier in ("nvme", "cpu"):
         r = subprocess.run([sys.executable, "-c", code, tier, nvme_dir], capture_output=True, text=True, timeout=300, check=True)
         out[tier] = [int(x) for x in r.stdout.split()]
     state = 32 * (1 << 20) * 4 * 2
-    grew, window, on_disk = out["nvme"]
+    grew, window, on_disk, held, first, more_maps, after_checkpoint = out["nvme"]
     assert on_disk == state
+    assert 0 < held <= window
+    assert held == first  # the same memory serves every step
+    # Its pieces split the buffers' mappings, by at most one more per paged range (32 pages of 2
+    # moments each); a cycle of steps brings them back (no growth from step to step).
+    assert more_maps <= 64, more_maps
+    assert after_checkpoint <= window  # a checkpoint's resident state did not stay parked
     assert out["cpu"][0] >= 0.9 * state  # the measurement sees the state when it is in RAM
     assert grew <= window + (24 << 20), (grew, window)
     assert window <= state // 4
+
+
+def test_the_memory_window_moves_its_pages_from_range_to_range() -> None:
+    """What the pager builds on: window memory moved under a range shows what the last lease
+    wrote there; given back, the range reads zeros (an empty mapping) and the window's memory
+    serves the next range. Bad arguments are refused by name."""
+    from offload_adam.runtime.pager import aligned_empty
+
+    page = 4096 // 4
+    a, b = aligned_empty(64 * page, torch.float32), aligned_empty(64 * page, torch.float32)
+    w = _native.MemoryWindow()
+    la = w.map([a])
+    a.copy_(torch.arange(a.numel(), dtype=torch.float32))
+    w.unmap(la)
+    assert not a.any()  # fresh untouched memory under a
+    lb = w.map([b])
+    assert torch.equal(b, torch.arange(b.numel(), dtype=torch.float32))  # the same pages, now under b
+    assert w.nbytes == b.numel() * 4
+    w.unmap(lb)
+    assert w.nbytes == b.numel() * 4  # kept for the next lease, not grown
+    with pytest.raises(ValueError, match="tensors\\[0\\]: must be contiguous"):
+        w.map([a.view(64, page).t()])
+    with pytest.raises(ValueError, match="lease: no lease"):
+        w.unmap(lb)
+    with pytest.raises(TypeError, match="tensors\\[1\\]"):
+        w.map([a, "x"])

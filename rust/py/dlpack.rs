@@ -339,32 +339,6 @@ impl Import {
         unsafe { std::slice::from_raw_parts(a as *const u8, b - a) }
     }
 
-    /// Gives the whole pages inside the buffer back to the OS (`madvise(MADV_DONTNEED)`): they
-    /// read as zeros afterwards and stop counting in the resident memory until written. For
-    /// private anonymous memory, which is what torch's CPU allocator hands out.
-    pub fn discard(&self) -> crate::error::Result<()> {
-        // SAFETY: sysconf has no preconditions.
-        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-        let (a, b) = self.range();
-        let start = a.div_ceil(page) * page;
-        let end = b / page * page;
-        if end <= start {
-            return Ok(());
-        }
-        // SAFETY: [start, end) lies inside memory the producer keeps mapped while we hold the
-        // Import; MADV_DONTNEED keeps it mapped and only drops its contents, which the caller
-        // (the NVMe tier, on its own state buffers) has written to disk and no longer reads.
-        let r = unsafe { libc::madvise(start as *mut libc::c_void, end - start, libc::MADV_DONTNEED) };
-        if r != 0 {
-            let e = std::io::Error::last_os_error();
-            return Err(crate::error::Error::Io(
-                e.raw_os_error().unwrap_or(libc::EINVAL),
-                format!("madvise: {e}"),
-            ));
-        }
-        Ok(())
-    }
-
     pub fn require(&self, dtype: DType, name: &str) -> PyResult<()> {
         if self.dtype != dtype {
             return Err(type_error(format!(

@@ -1,7 +1,8 @@
 //! The NVMe tier's I/O engine and its helpers, for Python: `IoEngine` (files, transfers of
 //! tensors' memory, fault injection), `IoTicket` (a batch's completion; waiting releases the
-//! GIL), `crc32c` of a tensor's bytes, `io_backend()` and `discard_memory`.
+//! GIL), `crc32c` of a tensor's bytes, `io_backend()` and `MemoryWindow`.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use pyo3::prelude::*;
@@ -9,6 +10,7 @@ use pyo3::prelude::*;
 use super::convert::{err, value_error};
 use super::dlpack::Import;
 use crate::io::{self, Backend, Request};
+use crate::window;
 
 fn backend_named(name: Option<&str>) -> PyResult<Option<Backend>> {
     match name {
@@ -163,13 +165,97 @@ pub fn io_backend() -> PyResult<&'static str> {
     Ok(io::Engine::new(None, 1).map_err(err)?.backend().name())
 }
 
-/// Gives the whole pages inside a contiguous tensor's memory back to the OS: its contents
-/// become zeros, and it stops counting in the process's resident memory until written again.
-#[pyfunction]
-pub fn discard_memory(tensor: &Bound<'_, PyAny>) -> PyResult<()> {
-    let imp = Import::new(tensor, "tensor")?;
-    if !imp.contiguous {
-        return Err(value_error("tensor: must be contiguous"));
+/// The NVMe tier's RAM window (`crate::window`): memory moved under tensors' pages while they
+/// are resident, and taken back (parked) when they are not.
+#[pyclass(module = "offload_adam._native")]
+pub struct MemoryWindow {
+    inner: window::Window,
+    /// Lease number -> the lease and the tensors it lies under (kept alive, so that their memory
+    /// stays allocated while it holds window memory).
+    leases: HashMap<u64, (window::Lease, Vec<Import>)>,
+    next: u64,
+}
+
+#[pymethods]
+impl MemoryWindow {
+    #[new]
+    fn new() -> MemoryWindow {
+        MemoryWindow {
+            inner: window::Window::new(),
+            leases: HashMap::new(),
+            next: 0,
+        }
     }
-    imp.discard().map_err(err)
+
+    /// Moves window memory under the whole OS pages of each tensor (contiguous, in host memory
+    /// from torch's CPU allocator, not pinned; kept alive until `unmap`), reusing what earlier
+    /// leases gave back; returns the lease's number. The tensors' contents are undefined until
+    /// written.
+    fn map(&mut self, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
+        let keep = imports(&tensors)?;
+        // SAFETY: each range is the memory of a tensor kept alive in `keep` until `unmap` gives
+        // the lease back; the caller (the pager) leases a page's ranges only while no one uses
+        // them, and no Rust reference points into a tensor's memory outside a call. (The GIL
+        // stays held: the moves are page-table edits, and no other thread enters the window.)
+        let lease = unsafe { self.inner.map(&ranges(&keep)) };
+        Ok(self.insert(lease, keep))
+    }
+
+    /// A lease of the tensors' own memory, as it is (their contents stay); given back by
+    /// `unmap`, which parks it for the next lease.
+    fn adopt(&mut self, tensors: Vec<Bound<'_, PyAny>>) -> PyResult<u64> {
+        let keep = imports(&tensors)?;
+        let lease = self.inner.adopt(&ranges(&keep));
+        Ok(self.insert(lease, keep))
+    }
+
+    /// Parked memory beyond `bytes` goes back to the OS instead.
+    fn set_limit(&mut self, bytes: usize) {
+        self.inner.set_limit(bytes)
+    }
+
+    /// Gives lease `lease` back: its memory is parked for the next lease, and its tensors' pages
+    /// read zeros (no RAM until written).
+    fn unmap(&mut self, lease: u64) -> PyResult<()> {
+        let Some((l, keep)) = self.leases.remove(&lease) else {
+            return Err(value_error(format!("lease: no lease {lease}")));
+        };
+        // SAFETY: the lease's ranges are still allocated (`keep`); the caller gives a page back
+        // only once nothing reads it.
+        let r = unsafe { self.inner.unmap(l) };
+        drop(keep);
+        r.map_err(err)
+    }
+
+    /// Bytes of RAM the window holds: leased and parked.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.bytes()
+    }
+}
+
+impl MemoryWindow {
+    fn insert(&mut self, lease: window::Lease, keep: Vec<Import>) -> u64 {
+        self.next += 1;
+        self.leases.insert(self.next, (lease, keep));
+        self.next
+    }
+}
+
+/// The tensors of a lease, imported (contiguous, host memory).
+fn imports(tensors: &[Bound<'_, PyAny>]) -> PyResult<Vec<Import>> {
+    let mut keep = Vec::with_capacity(tensors.len());
+    for (i, t) in tensors.iter().enumerate() {
+        let imp = Import::new(t, &format!("tensors[{i}]"))?;
+        if !imp.contiguous {
+            return Err(value_error(format!("tensors[{i}]: must be contiguous")));
+        }
+        keep.push(imp);
+    }
+    Ok(keep)
+}
+
+/// Their `(addr, len)` byte ranges.
+fn ranges(keep: &[Import]) -> Vec<(usize, usize)> {
+    keep.iter().map(|i| i.range()).map(|(a, b)| (a, b - a)).collect()
 }

@@ -30,7 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<io::IoTicket>()?;
     m.add_function(wrap_pyfunction!(io::crc32c, m)?)?;
     m.add_function(wrap_pyfunction!(io::io_backend, m)?)?;
-    m.add_function(wrap_pyfunction!(io::discard_memory, m)?)?;
+    m.add_class::<io::MemoryWindow>()?;
     m.add("CHUNK", crate::kernel::CHUNK)?;
     m.add("LANES", crate::isa::LANES)?;
     m.add("QBLOCK", crate::kernel::q8::QBLOCK)?;

@@ -607,8 +607,10 @@ class Adam(Optimizer):
         (4 B master + the moments + the gradient landing buffer per offloaded parameter, plus the
         moments and masters of CPU groups) and ``gpu_bytes`` (GPU memory the optimizer itself
         keeps between steps). With ``offload="nvme"``: ``nvme_bytes`` (state on the SSD),
-        ``window_bytes`` (the most RAM its paging holds) and ``host_state_bytes`` (state kept in
-        RAM by ``host_budget_gb``); ``host_bytes`` then counts these two, not the paged state."""
+        ``window_bytes`` (the most RAM its paging holds), ``window_held_bytes`` (the RAM its
+        window holds now, leased to resident pages and parked for the next ones) and
+        ``host_state_bytes`` (state kept in RAM by ``host_budget_gb``); ``host_bytes`` then counts
+        ``window_bytes`` and ``host_state_bytes``, not the paged state."""
         held, tight = self._engine.memory()
         out = {"host_bytes": held, "host_tight_bytes": tight, "gpu_bytes": 0}
         tier = self._engine.tier.memory()

@@ -11,9 +11,12 @@ A :class:`Pager` pages *families* of buffers: buffers that share one element lay
 buffers, each with its own dtype and its own file, with the same element offsets). A *page* is
 an element range of a family: the range of every buffer of the family, and the same range in
 each buffer's file. The buffers are host memory the size of the whole family, allocated
-untouched (:func:`aligned_empty`), but only resident pages are ever touched: a page written back
-is given to the OS (``madvise``), and its memory counts again only when it is read in. RAM held
-by the paged part is therefore bounded by the window:
+untouched (:func:`aligned_empty`, never pinned), and only resident pages hold memory: when a
+page is read in, the pager's window (a ``MemoryWindow``) moves memory under its ranges
+(``mremap``: page-table entries, not bytes), and when it has been written back, takes that memory
+back for the next page (the page's ranges stay mapped, empty). The same RAM serves page after
+page, never faulted in and zeroed again (giving it to the OS and faulting it back cost more than
+the read itself on a fast disk). RAM held by the paged part is therefore bounded by the window:
 
 * ``read_ahead`` pages being read before they are asked for (the next pages in order; after the
   last page, the first ones);
@@ -204,6 +207,7 @@ class Page:
     crcs: dict[str, Future[int]] = field(default_factory=dict)  # CRCs of the write in flight
     copies_done: Callable[[], None] | None = None
     resident: bool = False  # its memory holds its contents
+    leases: dict[str, int] = field(default_factory=dict)  # key -> lease of window memory under its range
 
     def nbytes(self) -> int:
         return sum((self.end - self.start) * b.element_size() for b in self.family.buffers.values())
@@ -248,6 +252,8 @@ class Pager:
         self.error: BaseException | None = None
         self.stats = {"read_bytes": 0.0, "write_bytes": 0.0, "io_wait_s": 0.0}
         self._crc = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload_adam-crc")
+        self.window = _native.MemoryWindow()
+        self._largest = 0  # bytes of the largest paged page
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -263,6 +269,12 @@ class Pager:
         (a maximum copied from ``exp_avg_sq``); the others read zeros until written."""
         fam.buffers[key] = buf
         self._file(fam, key)
+        for p in self.pages:
+            if p.family is fam and not p.pinned:
+                self._largest = max(self._largest, p.nbytes())
+                if p.resident:  # what the caller wrote is in the range's own memory: taken as it is
+                    p.leases[key] = self.window.adopt([buf[p.start : p.end]])
+        self._limit_window()
 
     def add_pages(self, fam: Family, ranges: Sequence[tuple[int, int, str]], what: str) -> list[int]:
         """Pages of ``fam`` over ``(start, end, label)`` element ranges, in the order they are
@@ -284,7 +296,15 @@ class Pager:
                 for buf in fam.buffers.values():
                     buf[p.start : p.end].zero_()
                 p.resident = True
+            else:
+                self._largest = max(self._largest, p.nbytes())
+        self._limit_window()
         return list(range(first, first + len(pages)))
+
+    def _limit_window(self) -> None:
+        """The window parks no more than the paging's window holds (``window_bytes``): what a
+        checkpoint made resident beyond it goes back to the OS afterwards."""
+        self.window.set_limit(self._largest * (self.read_ahead + 1 + self.write_behind))
 
     def _file(self, fam: Family, key: str) -> tuple[int, str]:
         f = fam.files.get(key)
@@ -295,6 +315,12 @@ class Pager:
 
     # -- paging ---------------------------------------------------------------------------------
 
+    def _lease(self, p: Page) -> None:
+        """Window memory under every buffer's range of ``p`` that has none yet."""
+        for key, buf in p.family.buffers.items():
+            if key not in p.leases:
+                p.leases[key] = self.window.map([buf[p.start : p.end]])
+
     def _submit_read(self, k: int) -> None:
         p = self.pages[k]
         if p.resident or p.reading is not None or p.pinned:
@@ -302,6 +328,7 @@ class Pager:
         if p.writing is not None:  # its memory still holds the contents: keep it
             self._finish_write(p, keep=True)
             return
+        self._lease(p)
         reqs, checks = [], []
         for key, buf in p.family.buffers.items():
             if key in p.written:
@@ -316,6 +343,7 @@ class Pager:
     def _finish_read(self, p: Page) -> None:
         t0 = time.perf_counter()
         try:
+            self._lease(p)  # a page never written was not read: memory for its zeros
             bad: list[str] = []
             if p.reading is not None:
                 f, p.reading = p.reading, None
@@ -360,12 +388,13 @@ class Pager:
             self._evict(p)
 
     def _evict(self, p: Page) -> None:
-        """Gives a page's memory back to the OS, once the copies reading it are done."""
+        """Gives a page's memory back to the window, once the copies reading it are done."""
         if p.copies_done is not None:
             p.copies_done()
             p.copies_done = None
-        for buf in p.family.buffers.values():
-            _native.discard_memory(buf[p.start : p.end])
+        leases, p.leases = p.leases, {}
+        for lease in leases.values():
+            self.window.unmap(lease)
         p.resident = False
 
     def _write(self, p: Page) -> None:
@@ -434,8 +463,9 @@ class Pager:
     # -- reports --------------------------------------------------------------------------------
 
     def memory(self) -> dict[str, int]:
-        """``nvme_bytes`` (paged), ``host_state_bytes`` (kept in RAM by the budget) and
-        ``window_bytes`` (the most RAM the paging holds)."""
+        """``nvme_bytes`` (paged), ``host_state_bytes`` (kept in RAM by the budget),
+        ``window_bytes`` (the most RAM the paging holds) and ``window_held_bytes`` (the RAM its
+        window holds now: leased to resident pages or kept for the next ones)."""
         nvme = host = window = 0
         for p in self.pages:
             per = p.nbytes()
@@ -444,7 +474,12 @@ class Pager:
             else:
                 nvme += per
                 window = max(window, per)
-        return {"nvme_bytes": nvme, "host_state_bytes": host, "window_bytes": window * (self.read_ahead + 1 + self.write_behind)}
+        return {
+            "nvme_bytes": nvme,
+            "host_state_bytes": host,
+            "window_bytes": window * (self.read_ahead + 1 + self.write_behind),
+            "window_held_bytes": self.window.nbytes,
+        }
 
     def close(self) -> None:
         """Waits for the transfers in flight; the run directory is the owner's to close."""

@@ -26,7 +26,7 @@ from .schema import COMP_KEY, MASTER_KEY, MIN_NUMEL, MOMENT, QBLOCK, Codec, code
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_ALIGN = _native.LANES  # slots start on a SIMD block boundary
+SLOT_ALIGN = _native.LANES  # slots start on a SIMD block boundary
 _MOMENT_ALIGN = 64  # bytes: each slot of uint8 moment buffers starts on a cache line
 
 
@@ -44,7 +44,7 @@ def same_sharding(t: Any, key: Tensor) -> bool:
 
 
 def _aligned(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
+    return -(-n // SLOT_ALIGN) * SLOT_ALIGN
 
 
 def stand_in(p: Tensor, name: str) -> Tensor | None:
@@ -107,7 +107,7 @@ def row_blocks(k: Tensor) -> bool:
 
 
 def layout(
-    params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = _ALIGN, state_dtype: torch.dtype = torch.float32,
+    params: Sequence[tuple[int, torch.dtype]], *, bucket_bytes: int, page_align: int = SLOT_ALIGN, state_dtype: torch.dtype = torch.float32,
     unquantized: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> Layout:
     """The layout of a group of parameters given as (numel, dtype): buckets of ``bucket_bytes``
@@ -177,7 +177,7 @@ class GroupState:
         device: Device | None,
         arena: PinnedArena | None = None,
         bucket_bytes: int,
-        page_align: int = _ALIGN,
+        page_align: int = SLOT_ALIGN,
         state_alloc: Callable[[int, torch.dtype], Tensor] | None = None,
         keys: list[Tensor] | None = None,
         homes: list[Tensor | None] | None = None,

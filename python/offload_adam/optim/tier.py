@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.pager import Family, Pager, RunDir, aligned_empty
-from .state import _ALIGN, GroupState
+from .state import SLOT_ALIGN, GroupState
 
 PAGE_ALIGN = 2048  # elements: each bucket's state starts on 4096 bytes of a 2-byte state, 8192 of a 4-byte one
 
@@ -72,7 +72,7 @@ class HostTier:
     """State in host memory: always resident, nothing to page."""
 
     stable_views = True
-    page_align = _ALIGN
+    page_align = SLOT_ALIGN
     batch_bytes = 256 << 20
     state_alloc: Callable[[int, torch.dtype], Tensor] | None = None
     stats: Mapping[str, float] = MappingProxyType({})  # no I/O

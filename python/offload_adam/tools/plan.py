@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..optim.schema import QBLOCK, codec_for
-from ..optim.state import layout
+from ..optim.state import SLOT_ALIGN, layout
 from ..optim.tier import PAGE_ALIGN
 from ..weights.blocks import Block
 from ..weights.offload import own_slot_blocks, ring_bytes
@@ -50,16 +50,13 @@ def optimizer_host_bytes(
     amsgrad: bool = False,
     streamed: bool,
     bucket_bytes: int = 32 << 20,
-    page_align: int | None = None,
+    page_align: int = SLOT_ALIGN,
 ) -> int:
     """Host bytes of one param group of ``offload_adam.AdamW`` over these (numel, dtype)
     parameters: offloaded (``streamed``: masters and landing buffers) or CPU parameters.
     ``master_dtype=torch.bfloat16``: bf16 parameters keep a bf16 Kahan compensation instead of
     an fp32 master (CPU parameters, or weights streamed by offload_weights)."""
-    if page_align:
-        lay = layout(params, bucket_bytes=bucket_bytes, state_dtype=state_dtype, page_align=page_align)
-    else:
-        lay = layout(params, bucket_bytes=bucket_bytes, state_dtype=state_dtype)
+    lay = layout(params, bucket_bytes=bucket_bytes, state_dtype=state_dtype, page_align=page_align)
     kahan = master_dtype == torch.bfloat16 and all(dt == torch.bfloat16 for _, dt in params)
     master = not kahan and (streamed or any(dt in (torch.bfloat16, torch.float16) for _, dt in params))
     return lay.host_bytes(amsgrad=amsgrad, master=master, streamed=streamed, comp=kahan)
@@ -100,9 +97,11 @@ def configurations(
     nvme_window = (2 + 1 + 2) * bb / 2 * (4 + 2 * es)  # read-ahead 2, one stepping, 2 writing
     # Weights streamed by offload_weights have a host copy the step writes: with
     # master_dtype=torch.bfloat16 it is updated with a 2-byte Kahan compensation, no fp32 master.
-    md = master_dtype
-    ours_w = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, master_dtype=md)
-    on_disk_w = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, page_align=PAGE_ALIGN, master_dtype=md) - landing
+    ours_w = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, master_dtype=master_dtype)
+    on_disk_w = (
+        optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, page_align=PAGE_ALIGN, master_dtype=master_dtype)
+        - landing
+    )
     window_w = (2 + 1 + 2) * bb / 2 * ((2 if master_dtype == torch.bfloat16 else 4) + 2 * es)
     ring = streamed_ring_bytes(layers, int(2 * n / layers), prefetch)
     weights = 2 * n  # the bf16 weights, pinned once: the copy the forward streams and the step writes

@@ -66,7 +66,11 @@ impl Window {
 
     /// Bytes of RAM the window holds (once touched): leased and parked (without moves: leased).
     pub fn bytes(&self) -> usize {
-        self.leased + self.parked.iter().map(|p| p.1).sum::<usize>()
+        self.leased + self.parked_bytes()
+    }
+
+    fn parked_bytes(&self) -> usize {
+        self.parked.iter().map(|p| p.1).sum()
     }
 
     /// The whole OS pages inside `[addr, addr + len)`: what a lease moves (the partial pages at
@@ -119,7 +123,7 @@ impl Window {
     /// as the whole state (a checkpoint makes every page resident) does not stay in RAM after.
     pub fn set_limit(&mut self, bytes: usize) {
         self.limit = bytes;
-        while self.parked.iter().map(|p| p.1).sum::<usize>() > self.limit {
+        while self.parked_bytes() > self.limit {
             let Some((a, n)) = self.parked.pop() else { break };
             // SAFETY: a parked piece is a mapping of the window's own that nothing else uses.
             unsafe { libc::munmap(a as *mut libc::c_void, n) };
@@ -182,7 +186,7 @@ impl Window {
     /// their contents after it.
     pub unsafe fn unmap(&mut self, lease: Lease) -> Result<()> {
         let mut first = Ok(());
-        let mut parked: usize = self.parked.iter().map(|p| p.1).sum();
+        let mut parked = self.parked_bytes();
         for (a, n) in lease.pieces {
             self.leased -= n;
             if self.moves && parked + n <= self.limit {

@@ -162,6 +162,81 @@ pub(super) fn pad<T: Copy + Default>(src: &[T]) -> [T; LANES] {
 /// torch fused on this project's 2-core VM.
 pub(super) const PREFETCH_BLOCKS: usize = 48;
 
+/// A chunk's float moments cut into lane blocks: what every block loop does with them, whatever
+/// its weights are (prefetch, the update of one block, the zero-padded tail).
+struct Moments<'a, S, const AMS: bool> {
+    mb: &'a mut [[S; LANES]],
+    vb: &'a mut [[S; LANES]],
+    xb: &'a mut [[S; LANES]],
+    mt: &'a mut [S],
+    vt: &'a mut [S],
+    xt: &'a mut [S],
+}
+
+impl<'a, S: BlockIo, const AMS: bool> Moments<'a, S, AMS> {
+    /// `vmax` is empty unless `AMS`.
+    #[inline(always)]
+    fn new(m: &'a mut [S], v: &'a mut [S], vmax: &'a mut [S]) -> Self {
+        let (mb, mt) = m.as_chunks_mut::<LANES>();
+        let (vb, vt) = v.as_chunks_mut::<LANES>();
+        let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+        Moments { mb, vb, xb, mt, vt, xt }
+    }
+
+    /// Prefetches block `ahead` of each moment (an address only: never dereferenced).
+    #[inline(always)]
+    fn prefetch<I: Isa>(&self, ahead: usize) {
+        I::prefetch(self.mb.as_ptr().wrapping_add(ahead) as *const u8);
+        I::prefetch(self.vb.as_ptr().wrapping_add(ahead) as *const u8);
+        if AMS {
+            I::prefetch(self.xb.as_ptr().wrapping_add(ahead) as *const u8);
+        }
+    }
+
+    /// [`update_block`] on block `b` of the moments, with the weights `p` and gradient `g`.
+    ///
+    /// # Safety
+    /// The CPU supports `I`; `b` is a full block of the moments (not checked).
+    #[inline(always)]
+    unsafe fn update<I: Isa, G: BlockIo, const DELTA: bool>(
+        &mut self,
+        c: &Consts,
+        b: usize,
+        p: &mut Block,
+        g: &[G; LANES],
+    ) {
+        unsafe {
+            let x = if AMS { Some(self.xb.get_unchecked_mut(b)) } else { None };
+            update_block::<I, G, S, AMS, DELTA>(c, p, g, self.mb.get_unchecked_mut(b), self.vb.get_unchecked_mut(b), x);
+        }
+    }
+
+    /// The moments' partial last block (`len` elements, 0 if none).
+    #[inline(always)]
+    fn tail_len(&self) -> usize {
+        self.mt.len()
+    }
+
+    /// [`update_block`] on the moments' partial last block, padded with zeros (which stay finite);
+    /// `p` and `g` are padded by the caller.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    #[inline(always)]
+    unsafe fn update_tail<I: Isa, G: BlockIo, const DELTA: bool>(&mut self, c: &Consts, p: &mut Block, g: &[G; LANES]) {
+        let r = self.mt.len();
+        let (mut m1, mut v1) = (pad(self.mt), pad(self.vt));
+        let mut x1 = if AMS { pad(self.xt) } else { [S::default(); LANES] };
+        // SAFETY: the caller's contract, on padded blocks.
+        unsafe { update_block::<I, G, S, AMS, DELTA>(c, p, g, &mut m1, &mut v1, AMS.then_some(&mut x1)) };
+        self.mt.copy_from_slice(&m1[..r]);
+        self.vt.copy_from_slice(&v1[..r]);
+        if AMS {
+            self.xt.copy_from_slice(&x1[..r]);
+        }
+    }
+}
+
 /// The block loop over one chunk.
 ///
 /// # Safety
@@ -177,13 +252,10 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     out: &mut OutMut<'_>,
     next: &Lookahead,
 ) {
-    let n = p.len();
-    let full = n / LANES;
+    let full = p.len() / LANES;
     let (pb, pt) = p.as_chunks_mut::<LANES>();
     let (gb, gt) = g.as_chunks::<LANES>();
-    let (mb, mt) = m.as_chunks_mut::<LANES>();
-    let (vb, vt) = v.as_chunks_mut::<LANES>();
-    let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+    let mut mo = Moments::<S, AMS>::new(m, v, vmax);
     // SAFETY: every `*b` slice has `full` blocks (same lengths, checked by the caller), so the
     // unchecked indexing stays in bounds; the CPU supports `I` (caller's contract).
     unsafe {
@@ -192,11 +264,7 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
             if ahead < full {
                 I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
                 I::prefetch(gb.as_ptr().wrapping_add(ahead) as *const u8);
-                I::prefetch(mb.as_ptr().wrapping_add(ahead) as *const u8);
-                I::prefetch(vb.as_ptr().wrapping_add(ahead) as *const u8);
-                if AMS {
-                    I::prefetch(xb.as_ptr().wrapping_add(ahead) as *const u8);
-                }
+                mo.prefetch::<I>(ahead);
                 match out {
                     OutMut::Bf16(o) => I::prefetch(o.as_ptr().wrapping_add(ahead * LANES) as *const u8),
                     OutMut::F16(o) => I::prefetch(o.as_ptr().wrapping_add(ahead * LANES) as *const u8),
@@ -208,26 +276,16 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
             }
             let pk = pb.get_unchecked_mut(b);
             out_block::<I, false>(pk, out, b);
-            let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
-            update_block::<I, G, S, AMS, false>(
-                c,
-                pk,
-                gb.get_unchecked(b),
-                mb.get_unchecked_mut(b),
-                vb.get_unchecked_mut(b),
-                x,
-            );
+            mo.update::<I, G, false>(c, b, pk, gb.get_unchecked(b));
             out_block::<I, true>(pk, out, b);
         }
     }
-    let r = n - full * LANES;
+    let r = mo.tail_len();
     if r == 0 {
         return;
     }
-    // The tail goes through the same block code, padded with zeros (which stay finite).
+    // The tail goes through the same block code, padded.
     let mut p1 = pad(pt);
-    let (mut m1, mut v1) = (pad(mt), pad(vt));
-    let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
     let mut o = OutMut::None;
     let (mut ob, mut of) = ([Bf16::default(); LANES], [F16::default(); LANES]);
     match out {
@@ -244,15 +302,10 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>(
     // SAFETY: as above; `o` holds exactly one block.
     unsafe {
         out_block::<I, false>(&mut p1, &mut o, 0);
-        update_block::<I, G, S, AMS, false>(c, &mut p1, &pad(gt), &mut m1, &mut v1, AMS.then_some(&mut x1));
+        mo.update_tail::<I, G, false>(c, &mut p1, &pad(gt));
         out_block::<I, true>(&mut p1, &mut o, 0);
     }
     pt.copy_from_slice(&p1[..r]);
-    mt.copy_from_slice(&m1[..r]);
-    vt.copy_from_slice(&v1[..r]);
-    if AMS {
-        xt.copy_from_slice(&x1[..r]);
-    }
     match out {
         OutMut::None => {}
         OutMut::Bf16(s) => s[full * LANES..].copy_from_slice(&ob[..r]),
@@ -273,49 +326,36 @@ pub(super) unsafe fn body_inout<I: Isa, O: BlockIo, S: BlockIo, const AMS: bool>
     v: &mut [S],
     vmax: &mut [S],
 ) {
-    let n = p.len();
-    let full = n / LANES;
+    let full = p.len() / LANES;
     let (pb, pt) = p.as_chunks_mut::<LANES>();
     let (ob, ot) = o.as_chunks_mut::<LANES>();
-    let (mb, mt) = m.as_chunks_mut::<LANES>();
-    let (vb, vt) = v.as_chunks_mut::<LANES>();
-    let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+    let mut mo = Moments::<S, AMS>::new(m, v, vmax);
     // SAFETY: as in `body`: equal lengths, so `full` blocks in each; CPU support is the caller's.
     unsafe {
         for b in 0..full {
             let ahead = (b + PREFETCH_BLOCKS).min(full - 1);
             I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
             I::prefetch(ob.as_ptr().wrapping_add(ahead) as *const u8);
-            I::prefetch(mb.as_ptr().wrapping_add(ahead) as *const u8);
-            I::prefetch(vb.as_ptr().wrapping_add(ahead) as *const u8);
+            mo.prefetch::<I>(ahead);
             let pk = pb.get_unchecked_mut(b);
             let ok = ob.get_unchecked_mut(b);
             let g = *ok;
-            let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
-            update_block::<I, O, S, AMS, false>(c, pk, &g, mb.get_unchecked_mut(b), vb.get_unchecked_mut(b), x);
+            mo.update::<I, O, false>(c, b, pk, &g);
             *ok = O::store::<I>(pk);
         }
     }
-    let r = n - full * LANES;
+    let r = mo.tail_len();
     if r == 0 {
         return;
     }
     let mut p1 = pad(pt);
-    let g1 = pad(ot);
-    let (mut m1, mut v1) = (pad(mt), pad(vt));
-    let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
     // SAFETY: as above.
     let o1 = unsafe {
-        update_block::<I, O, S, AMS, false>(c, &mut p1, &g1, &mut m1, &mut v1, AMS.then_some(&mut x1));
+        mo.update_tail::<I, O, false>(c, &mut p1, &pad(ot));
         O::store::<I>(&p1)
     };
     pt.copy_from_slice(&p1[..r]);
     ot.copy_from_slice(&o1[..r]);
-    mt.copy_from_slice(&m1[..r]);
-    vt.copy_from_slice(&v1[..r]);
-    if AMS {
-        xt.copy_from_slice(&x1[..r]);
-    }
 }
 
 /// Adds the update `u` to bfloat16 weights `w` (float32 `p0`) with Kahan compensation `comp`,
@@ -353,14 +393,11 @@ pub(super) unsafe fn body_kahan<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>
     v: &mut [S],
     vmax: &mut [S],
 ) {
-    let n = w.len();
-    let full = n / LANES;
+    let full = w.len() / LANES;
     let (wb, wt) = w.as_chunks_mut::<LANES>();
     let (cb, ct) = comp.as_chunks_mut::<LANES>();
     let (gb, gt) = g.as_chunks::<LANES>();
-    let (mb, mt) = m.as_chunks_mut::<LANES>();
-    let (vb, vt) = v.as_chunks_mut::<LANES>();
-    let (xb, xt) = vmax.as_chunks_mut::<LANES>();
+    let mut mo = Moments::<S, AMS>::new(m, v, vmax);
     // SAFETY: equal lengths (the caller's), so `full` blocks in each; CPU support is the caller's.
     unsafe {
         for b in 0..full {
@@ -368,44 +405,28 @@ pub(super) unsafe fn body_kahan<I: Isa, G: BlockIo, S: BlockIo, const AMS: bool>
             I::prefetch(wb.as_ptr().wrapping_add(ahead) as *const u8);
             I::prefetch(cb.as_ptr().wrapping_add(ahead) as *const u8);
             I::prefetch(gb.as_ptr().wrapping_add(ahead) as *const u8);
-            I::prefetch(mb.as_ptr().wrapping_add(ahead) as *const u8);
-            I::prefetch(vb.as_ptr().wrapping_add(ahead) as *const u8);
+            mo.prefetch::<I>(ahead);
             let wk = wb.get_unchecked_mut(b);
             let p0 = Bf16::load::<I>(wk);
             let mut u = p0;
-            let x = if AMS { Some(xb.get_unchecked_mut(b)) } else { None };
-            update_block::<I, G, S, AMS, true>(
-                c,
-                &mut u,
-                gb.get_unchecked(b),
-                mb.get_unchecked_mut(b),
-                vb.get_unchecked_mut(b),
-                x,
-            );
+            mo.update::<I, G, true>(c, b, &mut u, gb.get_unchecked(b));
             kahan_add::<I>(wk, cb.get_unchecked_mut(b), &p0, &u);
         }
     }
-    let r = n - full * LANES;
+    let r = mo.tail_len();
     if r == 0 {
         return;
     }
     let (mut w1, mut c1) = (pad(wt), pad(ct));
-    let (mut m1, mut v1) = (pad(mt), pad(vt));
-    let mut x1 = if AMS { pad(xt) } else { [S::default(); LANES] };
     // SAFETY: as above, on padded blocks.
     unsafe {
         let p0 = Bf16::load::<I>(&w1);
         let mut u = p0;
-        update_block::<I, G, S, AMS, true>(c, &mut u, &pad(gt), &mut m1, &mut v1, AMS.then_some(&mut x1));
+        mo.update_tail::<I, G, true>(c, &mut u, &pad(gt));
         kahan_add::<I>(&mut w1, &mut c1, &p0, &u);
     }
     wt.copy_from_slice(&w1[..r]);
     ct.copy_from_slice(&c1[..r]);
-    mt.copy_from_slice(&m1[..r]);
-    vt.copy_from_slice(&v1[..r]);
-    if AMS {
-        xt.copy_from_slice(&x1[..r]);
-    }
 }
 
 /// Sum of squares in f64, lane-wise then in a fixed order.

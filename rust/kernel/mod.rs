@@ -311,10 +311,6 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
         mut out,
         kahan,
     } = s;
-    let (kahan, float_kahan) = match kahan {
-        Some(k) if !matches!(exp_avg, StateMut::Q8 { .. }) => (None, Some(k)),
-        k => (k, None),
-    };
     // The float moments' one match: `$f!(args.., amsgrad, m, v, x)` on their dtype.
     macro_rules! float_moments {
         ($f:ident $(, $a:expr)*) => {
@@ -326,21 +322,6 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
                 _ => unreachable!("validated: moments share one dtype"),
             }
         };
-    }
-    if let Some(k) = float_kahan {
-        macro_rules! kh {
-            ($g:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {
-                // SAFETY: lengths validated; path support is the caller's contract.
-                unsafe { P::update_kahan::<_, _, $ams>(&consts, k, $g, $m, $v, $x) }
-            };
-        }
-        match grad {
-            GradRef::F32(g) => float_moments!(kh, g),
-            GradRef::Bf16(g) => float_moments!(kh, g),
-            GradRef::F16(g) => float_moments!(kh, g),
-            GradRef::InOut => unreachable!("validated: Kahan weights read their gradient"),
-        }
-        return;
     }
     if let StateMut::Q8 { .. } = exp_avg {
         fn q(s: StateMut<'_>) -> Q8Mut<'_> {
@@ -374,7 +355,12 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
     macro_rules! go {
         ($g:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {
             // SAFETY: lengths validated; path support is the caller's contract.
-            unsafe { P::update::<_, _, $ams>(&consts, param, $g, $m, $v, $x, &mut out, next) }
+            unsafe {
+                match kahan {
+                    Some(k) => P::update_kahan::<_, _, $ams>(&consts, k, $g, $m, $v, $x),
+                    None => P::update::<_, _, $ams>(&consts, param, $g, $m, $v, $x, &mut out, next),
+                }
+            }
         };
     }
     macro_rules! go_inout {

@@ -364,10 +364,11 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
         };
     }
     macro_rules! go_inout {
-        ($o:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {
+        ($o:expr, $ams:literal, $m:expr, $v:expr, $x:expr) => {{
+            debug_assert!(kahan.is_none(), "validated: Kahan weights read their gradient");
             // SAFETY: as above.
             unsafe { P::update_inout::<_, _, $ams>(&consts, param, $o, $m, $v, $x) }
-        };
+        }};
     }
     match grad {
         GradRef::F32(g) => float_moments!(go, g),

@@ -211,7 +211,7 @@ impl<'a, S: BlockIo, const AMS: bool> Moments<'a, S, AMS> {
         }
     }
 
-    /// The moments' partial last block (`len` elements, 0 if none).
+    /// How many elements the moments' partial last block has (0: none).
     #[inline(always)]
     fn tail_len(&self) -> usize {
         self.mt.len()

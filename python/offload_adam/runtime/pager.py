@@ -253,7 +253,6 @@ class Pager:
         self.stats = {"read_bytes": 0.0, "write_bytes": 0.0, "io_wait_s": 0.0}
         self._crc = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload_adam-crc")
         self.window = _native.MemoryWindow()
-        self._largest = 0  # bytes of the largest paged page
 
     # -- set-up ---------------------------------------------------------------------------------
 
@@ -270,10 +269,9 @@ class Pager:
         fam.buffers[key] = buf
         self._file(fam, key)
         for p in self.pages:
-            if p.family is fam and not p.pinned:
-                self._largest = max(self._largest, p.nbytes())
-                if p.resident:  # what the caller wrote is in the range's own memory: taken as it is
-                    p.leases[key] = self.window.adopt([buf[p.start : p.end]])
+            if p.family is fam and not p.pinned and p.resident:
+                # What the caller wrote is in the range's own memory: taken as it is.
+                p.leases[key] = self.window.adopt([buf[p.start : p.end]])
         self._limit_window()
 
     def add_pages(self, fam: Family, ranges: Sequence[tuple[int, int, str]], what: str) -> list[int]:
@@ -296,15 +294,19 @@ class Pager:
                 for buf in fam.buffers.values():
                     buf[p.start : p.end].zero_()
                 p.resident = True
-            else:
-                self._largest = max(self._largest, p.nbytes())
         self._limit_window()
         return list(range(first, first + len(pages)))
 
     def _limit_window(self) -> None:
         """The window parks no more than the paging's window holds (``window_bytes``): what a
         checkpoint made resident beyond it goes back to the OS afterwards."""
-        self.window.set_limit(self._largest * (self.read_ahead + 1 + self.write_behind))
+        self.window.set_limit(self._window_bytes())
+
+    def _window_bytes(self) -> int:
+        """The most RAM the paging holds: its largest paged page, times the pages in flight at
+        once (read ahead, stepped, written behind)."""
+        largest = max((p.nbytes() for p in self.pages if not p.pinned), default=0)
+        return largest * (self.read_ahead + 1 + self.write_behind)
 
     def _file(self, fam: Family, key: str) -> tuple[int, str]:
         f = fam.files.get(key)
@@ -343,7 +345,7 @@ class Pager:
     def _finish_read(self, p: Page) -> None:
         t0 = time.perf_counter()
         try:
-            self._lease(p)  # a page never written was not read: memory for its zeros
+            self._lease(p)  # a buffer added while the read was in flight (amsgrad switched on): memory for its zeros
             bad: list[str] = []
             if p.reading is not None:
                 f, p.reading = p.reading, None
@@ -466,18 +468,10 @@ class Pager:
         """``nvme_bytes`` (paged), ``host_state_bytes`` (kept in RAM by the budget),
         ``window_bytes`` (the most RAM the paging holds) and ``window_held_bytes`` (the RAM its
         window holds now: leased to resident pages or kept for the next ones)."""
-        nvme = host = window = 0
-        for p in self.pages:
-            per = p.nbytes()
-            if p.pinned:
-                host += per
-            else:
-                nvme += per
-                window = max(window, per)
         return {
-            "nvme_bytes": nvme,
-            "host_state_bytes": host,
-            "window_bytes": window * (self.read_ahead + 1 + self.write_behind),
+            "nvme_bytes": sum(p.nbytes() for p in self.pages if not p.pinned),
+            "host_state_bytes": sum(p.nbytes() for p in self.pages if p.pinned),
+            "window_bytes": self._window_bytes(),
             "window_held_bytes": self.window.nbytes,
         }
 

@@ -188,6 +188,16 @@ impl Drop for Import {
 }
 
 impl Import {
+    /// [`Import::new`] of a tensor that must be row-major contiguous (a `ValueError` naming it
+    /// otherwise).
+    pub fn contiguous(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Import> {
+        let imp = Import::new(obj, name)?;
+        if !imp.contiguous {
+            return Err(value_error(format!("{name}: must be contiguous")));
+        }
+        Ok(imp)
+    }
+
     /// Imports `obj` (a tensor, or a DLPack capsule) as a host buffer; `name` is used in errors.
     pub fn new(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Import> {
         let py = obj.py();

@@ -242,11 +242,8 @@ pub fn simd_paths() -> Vec<&'static str> {
 fn codec_buffers(tensors: [(&Bound<'_, PyAny>, &str, DType); 3]) -> PyResult<Writable> {
     let mut entries = Vec::with_capacity(3);
     for (t, name, dtype) in tensors {
-        let imp = Import::new(t, name)?;
+        let imp = Import::contiguous(t, name)?;
         imp.require(dtype, name)?;
-        if !imp.contiguous {
-            return Err(value_error(format!("{name}: must be contiguous")));
-        }
         entries.push((Some(imp), name.to_string()));
     }
     Writable::new(entries)

@@ -70,10 +70,7 @@ impl IoEngine {
         let mut reqs = Vec::with_capacity(requests.len());
         let mut keep = Vec::with_capacity(requests.len());
         for (i, (write, file, t, offset)) in requests.into_iter().enumerate() {
-            let imp = Import::new(&t, &format!("requests[{i}]"))?;
-            if !imp.contiguous {
-                return Err(value_error(format!("requests[{i}]: the tensor must be contiguous")));
-            }
+            let imp = Import::contiguous(&t, &format!("requests[{i}]"))?;
             let (a, b) = imp.range();
             reqs.push(Request {
                 write,
@@ -150,10 +147,7 @@ impl Drop for IoTicket {
 /// CRC-32C of a contiguous tensor's bytes.
 #[pyfunction]
 pub fn crc32c(py: Python<'_>, tensor: &Bound<'_, PyAny>) -> PyResult<u32> {
-    let imp = Import::new(tensor, "tensor")?;
-    if !imp.contiguous {
-        return Err(value_error("tensor: must be contiguous"));
-    }
+    let imp = Import::contiguous(tensor, "tensor")?;
     let bytes = imp.bytes();
     Ok(py.detach(|| io::crc32c(bytes)))
 }
@@ -244,15 +238,11 @@ impl MemoryWindow {
 
 /// The tensors of a lease, imported (contiguous, host memory).
 fn imports(tensors: &[Bound<'_, PyAny>]) -> PyResult<Vec<Import>> {
-    let mut keep = Vec::with_capacity(tensors.len());
-    for (i, t) in tensors.iter().enumerate() {
-        let imp = Import::new(t, &format!("tensors[{i}]"))?;
-        if !imp.contiguous {
-            return Err(value_error(format!("tensors[{i}]: must be contiguous")));
-        }
-        keep.push(imp);
-    }
-    Ok(keep)
+    tensors
+        .iter()
+        .enumerate()
+        .map(|(i, t)| Import::contiguous(t, &format!("tensors[{i}]")))
+        .collect()
 }
 
 /// Their `(addr, len)` byte ranges.

@@ -64,6 +64,7 @@ def test_an_allocation_is_released_only_after_the_copies_queued_on_it() -> None:
         src = arena.alloc(1000, torch.float32)
         src.fill_(3.0)
         dst = torch.zeros(1000)
+        sim.stream_waits(sim.h2d, sim.record_current())  # after the compute that zeroed it
         sim.copy([(dst, src)], sim.h2d)
         del src
         gc.collect()

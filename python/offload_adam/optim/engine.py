@@ -518,8 +518,7 @@ class Engine:
             # The model's weights into the masters, on the side stream after the backward (not on
             # the legacy default stream of this thread).
             dev.stream_waits(dev.d2h, self._backward_done)
-            dev.copy([(r.group.master_view(r.index), r.param.detach()) for r in stale], dev.d2h)
-            dev.host_wait(dev.record(dev.d2h))
+            dev.copy_blocking([(r.group.master_view(r.index), r.param.detach()) for r in stale], dev.d2h)
             for b, _ in batch:
                 b.stale = []
         t1 = time.perf_counter()

@@ -19,11 +19,17 @@ Semantics every backend keeps (those of CUDA streams):
 * ``current_waits(e)``: device work the calling thread queues afterwards waits for ``e``. It is
   not a host wait: the host goes on at once.
 * ``host_wait(e)``: the host blocks until ``e`` has completed.
+
+Every CUDA call is made under the device it is for (:func:`on_device`, :func:`on_stream`): a
+thread's current device is 0 until it chooses one, and leaving ``torch.cuda.stream(s)`` sets
+the device that was current when it was entered, which creates a context (hundreds of MiB) on
+GPU 0 for a model on ``cuda:N``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -33,6 +39,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+log = logging.getLogger("offload_adam")
 
 class Device(Protocol):
     """An accelerator, as the clients of the runtime see it."""
@@ -53,7 +60,14 @@ class Device(Protocol):
         ...
 
     def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
-        """Queues ``dst.copy_(src)`` for each pair on ``stream``."""
+        """Queues ``dst.copy_(src)`` for each pair on ``stream``. The host side (the destination
+        of a copy on ``d2h``, the source of one on ``h2d``) is pinned host memory: a pageable one
+        is staged by the driver, which blocks the calling thread."""
+        ...
+
+    def copy_blocking(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        """:meth:`copy`, then the host waits for it: the cold paths (filling the device, handing
+        weights back), whose host side may be ordinary (pageable) memory."""
         ...
 
     def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
@@ -93,6 +107,11 @@ class Device(Protocol):
         """Blocks until everything queued on the side streams has completed."""
         ...
 
+    def synchronize(self) -> None:
+        """Blocks until everything queued on the device has completed: the side streams and every
+        compute stream, the user's own included (a cold path: ``close()``)."""
+        ...
+
 
 class Meter:
     """Counts the device memory allocated through it (``Device.empty``): bytes held now, and the
@@ -116,15 +135,46 @@ class Meter:
             self.current -= n
 
 
-def _drain_then_unregister(cudart: Any, ptr: int, streams: tuple[Any, ...]) -> None:
+def on_device(cuda: Any, device: Any) -> contextlib.AbstractContextManager[Any]:
+    """CUDA calls inside run with ``device`` current (``cuda`` is ``torch.cuda``, or a model of it
+    for tests): what creates no context elsewhere, and what ``cudaHostRegister`` needs."""
+    return cuda.device(device)  # type: ignore[no-any-return]
+
+
+@contextlib.contextmanager
+def on_stream(cuda: Any, device: Any, stream: Any) -> Iterator[None]:
+    """Work queued inside goes to ``stream`` of ``device``. The device guard comes first: leaving
+    ``cuda.stream`` alone sets the device current when it was entered (``_cuda_setStream`` calls
+    ``set_device``), which in a thread that never chose one is device 0: a context there."""
+    with on_device(cuda, device), cuda.stream(stream):
+        yield
+
+
+def _drain_then_unregister(cudart: Any, device: torch.device, ptr: int, streams: tuple[Any, ...]) -> None:
     # A buffer unregistered while a DMA still reads or writes it: the copy faults or touches
     # freed pages. Wait for the side streams first (they are the only users of the buffers).
+    # Runs wherever the garbage collector does: under the buffer's device (no context on GPU 0).
     try:
-        for s in streams:
-            s.synchronize()
-        cudart.cudaHostUnregister(ptr)
+        with on_device(torch.cuda, device):
+            for s in streams:
+                s.synchronize()
+            rc = cudart.cudaHostUnregister(ptr)
+        if int(rc) != 0:
+            log.warning("offload_adam: cudaHostUnregister of a pinned buffer failed with CUDA error %d", int(rc))
     except Exception:  # interpreter shutdown: the CUDA context may already be gone
         pass
+
+
+def pin_error(nbytes: int, code: int) -> RuntimeError:
+    """A failed ``cudaHostRegister`` of ``nbytes``, with what usually causes it."""
+    return RuntimeError(
+        f"offload_adam: pinning {nbytes} bytes ({nbytes / (1 << 30):.3g} GiB) of host memory failed "
+        f"(cudaHostRegister, CUDA error {code}). Likely causes: the locked-memory limit (`ulimit -l`; "
+        "in a container, its memlock limit or cgroup memory), or not enough free RAM for what the "
+        "offload pins (optimizer state with offload='cpu', streamed weights with storage='cpu', "
+        "activation pools). Put the optimizer state on NVMe (offload='nvme'), stream the weights "
+        "from NVMe (storage='nvme'), or raise the limit."
+    )
 
 
 class CudaDevice:
@@ -145,21 +195,27 @@ class CudaDevice:
         if nbytes:
             # Under the buffer's device: a registration from a thread whose current device is 0
             # would create a context on GPU 0 for a model on cuda:N.
-            with torch.cuda.device(self.torch_device):
+            with on_device(torch.cuda, self.torch_device):
                 rc = self._cudart.cudaHostRegister(t.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
             if int(rc) != 0:
-                raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(rc)}")
+                raise pin_error(nbytes, int(rc))
             # On the storage, not this tensor: a client may keep only views of it.
-            weakref.finalize(t.untyped_storage(), _drain_then_unregister, self._cudart, t.data_ptr(), (self.d2h, self.h2d))
+            weakref.finalize(
+                t.untyped_storage(), _drain_then_unregister, self._cudart, self.torch_device, t.data_ptr(), (self.d2h, self.h2d)
+            )
         return t
 
     def staging(self, like: Tensor) -> Tensor:
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
 
     def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
-        with torch.cuda.stream(stream):
+        with on_stream(torch.cuda, self.torch_device, stream):
             for dst, src in pairs:
                 dst.copy_(src, non_blocking=True)
+
+    def copy_blocking(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        self.copy(pairs, stream)
+        self.host_wait(self.record(stream))
 
     def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
         t = torch.empty(n, dtype=dtype, device=self.torch_device)
@@ -201,12 +257,16 @@ class CudaDevice:
     def thread_context(self) -> Iterator[None]:
         # A new thread's current device is 0; leaving torch.cuda.stream() there would create a
         # context on GPU 0 for a model on cuda:N.
-        with torch.cuda.device(self.torch_device):
+        with on_device(torch.cuda, self.torch_device):
             yield
 
     def drain(self) -> None:
-        self.d2h.synchronize()
-        self.h2d.synchronize()
+        with on_device(torch.cuda, self.torch_device):
+            self.d2h.synchronize()
+            self.h2d.synchronize()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.torch_device)
 
 
 # -- one device per torch device ----------------------------------------------------------------

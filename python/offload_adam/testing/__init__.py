@@ -3,7 +3,9 @@
 * :func:`simulated_device`: what is built inside (optimizers, weight offloads) streams its CPU
   tensors through a :class:`~offload_adam.testing.simdevice.SimulatedDevice` (CUDA stream
   semantics on the CPU: late copies, events, lazy waits of the current stream, poisoned freed
-  memory), installed with the runtime's :func:`~offload_adam.runtime.device.use_device`.
+  memory, the happens-before check of copies against compute, the caching allocator's reuse,
+  pinned against pageable host memory, the current device), installed with the runtime's
+  :func:`~offload_adam.runtime.device.use_device`.
 * :func:`engine_hooks`: optimizers built inside call these hooks of the step engine: before
   each bucket of a step, and to start the step's worker thread.
 """
@@ -36,12 +38,24 @@ def simulated_device(
     lazy: bool = True,
     copies_on_demand: bool = False,
     keep_open: bool = False,
+    *,
+    check_ordering: bool | None = None,
+    strict: bool | None = None,
+    index: int = 0,
 ) -> Iterator[SimulatedDevice]:
     """What is built inside streams its CPU tensors through a simulated device; with ``lazy``,
     waits of the current stream are honoured at this thread's next device operation; with
     ``copies_on_demand`` (benchmarks), copies run only when waited for. On exit the device is
-    closed (its later work runs inline), unless ``keep_open`` (what was built is used after)."""
-    dev = SimulatedDevice(seed=seed, max_delay_s=max_delay_s, copies_on_demand=copies_on_demand)
+    closed (its later work runs inline), unless ``keep_open`` (what was built is used after).
+
+    ``check_ordering`` (default: ``lazy``, as tests run): every copy is checked against the
+    compute it must follow (happens-before, with a dispatch mode recording the compute's reads
+    and writes). ``strict``: an asynchronous copy from or to pageable host memory is a violation. ``index``: the device's number (a model on ``cuda:index``; its work
+    must not touch device 0)."""
+    dev = SimulatedDevice(
+        seed=seed, max_delay_s=max_delay_s, copies_on_demand=copies_on_demand,
+        check_ordering=lazy if check_ordering is None else check_ordering, strict=False if strict is None else strict, index=index,
+    )  # fmt: skip
     token = _DEVICE.set(dev)
     try:
         with use_device(dev), dev.lazy() if lazy else contextlib.nullcontext():

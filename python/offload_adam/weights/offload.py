@@ -186,8 +186,7 @@ class WeightOffload:
                     e.view(dst).copy_(e.param.detach())
             if resident:
                 outs = [dev.empty(e.param.numel(), e.param.dtype, self.meter).view(e.param.shape) for e in b.entries]
-                dev.copy([(o, e.view(dst)) for o, e in zip(outs, b.entries)], dev.h2d)
-                dev.host_wait(dev.record(dev.h2d))
+                dev.copy_blocking([(o, e.view(dst)) for o, e in zip(outs, b.entries)], dev.h2d)
                 for o, e in zip(outs, b.entries):
                     _bind(e.param, o)
             else:
@@ -199,8 +198,7 @@ class WeightOffload:
             out = moved.get(id(buf))
             if out is None:
                 out = moved[id(buf)] = dev.empty(buf.numel(), buf.dtype, self.meter).view(buf.shape)
-                dev.copy([(out, buf)], dev.h2d)
-                dev.host_wait(dev.record(dev.h2d))
+                dev.copy_blocking([(out, buf)], dev.h2d)
             m._buffers[name] = out
 
     # -- reports --------------------------------------------------------------------------------
@@ -285,8 +283,7 @@ class WeightOffload:
     def _to_host(self, t: Tensor) -> Tensor:
         out = torch.empty(t.shape, dtype=t.dtype)
         self.device.stream_waits(self.device.d2h, self.device.record_current())  # after its last writer
-        self.device.copy([(out, t)], self.device.d2h)
-        self.device.host_wait(self.device.record(self.device.d2h))
+        self.device.copy_blocking([(out, t)], self.device.d2h)
         return out
 
     def __enter__(self) -> WeightOffload:

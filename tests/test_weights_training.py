@@ -321,3 +321,32 @@ def test_train_weights_bench_reports_bytes_and_breakdown() -> None:
     assert s["d2h_bytes"] == r["d2h_bytes"] > 0
     assert s["streamed_bytes"] < s["weights_h2d_bytes"] <= 2 * s["streamed_bytes"]
     assert s["gpu_peak_bytes"] <= s["ring_bytes"] + s["gpu_resident_bytes"] + 64
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_an_eval_pass_after_training_never_refills_a_slot_compute_may_still_read(prefetch: int) -> None:
+    """CUDA review (December) finding 1: in a training cycle the untied head is one instance
+    across its forward and backward, kept after its forward release with no free event; an eval
+    pass after training changes the order, its slot is dropped (``_cancel``), and the next load
+    into it must wait for the head's last read on the compute stream. The simulator's
+    happens-before check sees the copy that does not; the logits stay bitwise the resident
+    model's."""
+    data = batches(3, 5)
+    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
+        model, ref, h = twins("llama", torch.float32, 5, prefetch=prefetch)
+        assert model.lm_head.weight is not model.model.embed_tokens.weight
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-3)
+        ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3)
+        train(ref, ropt, data[:2])
+        train(model, opt, data[:2])
+        x = data[2]
+        for _ in range(3):
+            with torch.no_grad():
+                got, want = model.eval()(x).logits, ref.eval()(x).logits
+            assert torch.equal(got, want)
+        toks = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        rtoks = ref.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(toks, rtoks)
+        opt.close()
+        h.close()
+        assert sim.violations == []

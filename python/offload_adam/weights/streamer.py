@@ -419,8 +419,13 @@ class Streamer:
         del self.active[b]
         self._point(b, None)
         ld = self.loaded.get(b)
-        if ld is not None and (self.mismatch or ld.last <= self.act_pos.get(b, 0)):
-            ld.slot.free_event = self.device.record_current()
+        if ld is None:
+            return
+        # The slot's last use so far, recorded at every release: a block kept loaded for a later
+        # activation can still lose its slot without running again (a cancel, an eviction, a
+        # stale copy dropped), and the next copy into it must follow this use.
+        ld.slot.free_event = self.device.record_current()
+        if self.mismatch or ld.last <= self.act_pos.get(b, 0):
             ld.slot.block = None
             del self.loaded[b]
 

@@ -536,6 +536,13 @@ class Engine:
             # updated.
             t2 = time.perf_counter()
             if stepped:
+                for r in recs:
+                    if r.stage:
+                        # The master is a page of the tier's (pageable): the copy back reads this
+                        # pinned copy of it (a cudaMemcpyAsync from pageable memory is staged by
+                        # the driver and blocks this thread).
+                        assert r.copy_src is not None
+                        r.copy_src.copy_(r.group.master_view(r.index))
                 dev.stream_waits(dev.h2d, self._backward_done)
                 with torch.profiler.record_function("offload_adam.h2d"):
                     for b, rs in batch:

@@ -68,6 +68,7 @@ class Rec:
     param_version: int = -1  # the parameter's version after our last copy-back
     key: Tensor | None = None  # a DTensor (FSDP2) whose local shard `param` is
     home: Any = None  # runtime.hosted.Home: its weights live in a host copy the step writes
+    stage: bool = False  # its master is paged: copied into its landing slot (copy_src) after the step
 
     @property
     def name(self) -> str:
@@ -144,6 +145,7 @@ class StreamedGrads:
                 r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), p.numel() * p.element_size())
                 r.key = group.keys[i] if group.dtensor[i] else None
                 r.home = home_of(p) if group.homes[i] is not None else None
+                r.stage = group.stages_copyback(i)
                 r.hook = r.owner.register_post_accumulate_grad_hook(self._hook)
                 self.recs.append(r)
                 self.by_param[id(p)] = r

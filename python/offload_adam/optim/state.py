@@ -218,6 +218,9 @@ class GroupState:
             arena.alloc if arena is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
         )
         self._state_alloc = state_alloc or alloc
+        # Masters in memory of a tier's own (NVMe pages: pageable, moved under the window), not
+        # the pinned arena: an fp32 parameter's weights go back through its pinned landing slot.
+        self.paged_masters = state_alloc is not None
         self.exp_avg = self._state_alloc(lay.moment_total, state_dtype)
         self.exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype)
         self.max_exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype) if amsgrad else None
@@ -366,10 +369,16 @@ class GroupState:
 
     def copy_src(self, i: int) -> Tensor | None:
         """Where parameter ``i``'s updated weights are copied back from (None: written into its
-        home, nothing to copy)."""
+        home, nothing to copy): pinned host memory, as an asynchronous copy needs."""
         if self.homes[i] is not None:
             return None
-        return self.master_view(i) if self.params[i].dtype == torch.float32 else self.grad_slot(i)
+        return self.master_view(i) if self.params[i].dtype == torch.float32 and not self.paged_masters else self.grad_slot(i)
+
+    def stages_copyback(self, i: int) -> bool:
+        """Whether parameter ``i``'s updated master is copied into its landing slot after the step
+        (an fp32 weight whose master is paged: the copy back reads pinned memory, not the page;
+        a low-precision one has its rounded copy written there by the kernel)."""
+        return self.homes[i] is None and self.params[i].dtype == torch.float32 and self.paged_masters
 
     # -- buffers ------------------------------------------------------------------------------
 

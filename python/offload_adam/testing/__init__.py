@@ -50,11 +50,12 @@ def simulated_device(
 
     ``check_ordering`` (default: ``lazy``, as tests run): every copy is checked against the
     compute it must follow (happens-before, with a dispatch mode recording the compute's reads
-    and writes). ``strict``: an asynchronous copy from or to pageable host memory is a violation. ``index``: the device's number (a model on ``cuda:index``; its work
+    and writes). ``strict`` (default: ``lazy``): an asynchronous copy from or to pageable host
+    memory is a violation. ``index``: the device's number (a model on ``cuda:index``; its work
     must not touch device 0)."""
     dev = SimulatedDevice(
         seed=seed, max_delay_s=max_delay_s, copies_on_demand=copies_on_demand,
-        check_ordering=lazy if check_ordering is None else check_ordering, strict=False if strict is None else strict, index=index,
+        check_ordering=lazy if check_ordering is None else check_ordering, strict=lazy if strict is None else strict, index=index,
     )  # fmt: skip
     token = _DEVICE.set(dev)
     try:

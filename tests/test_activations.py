@@ -264,7 +264,7 @@ def test_activations_bench_reports_the_bytes_kept_and_moved() -> None:
 
 
 def test_the_free_list_reuses_and_merges_released_ranges() -> None:
-    from offload_adam.activations.offload import SLAB, FreeList
+    from offload_adam.runtime.pinned import SLAB, FreeList
 
     made: list[int] = []
 
@@ -279,3 +279,127 @@ def test_the_free_list_reuses_and_merges_released_ranges() -> None:
     fl.release(*b, 512)
     assert fl.alloc(1536) == (0, 0)  # the two released ranges merged
     assert fl.alloc(SLAB) == (1, 0) and len(made) == 2  # too large for the first: a new segment
+
+
+# -- the CUDA review's findings (December) on the simulated device -------------------------------------
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.tanh(lin(x))  # saves tanh's 64x64 output: one storage per layer
+        return x
+
+
+def test_a_prefetched_buffer_dropped_before_its_unpack_is_not_reused_under_its_copy() -> None:
+    """Finding 5: a backward that raises midway (an OOM-retry loop) drops the storages prefetched
+    for it before their unpack; the buffers they were being copied into go back to the caching
+    allocator, which must not hand them out while their copies still write them. The simulator
+    reuses freed device memory at the next allocation of the compute stream and flags a reuse
+    that no ``keep_until_done`` held."""
+    with testing.simulated_device(seed=2, max_delay_s=0.02) as sim:
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, prefetch=3) as ao:
+            h = m(x)
+            mid = m.layers[3].weight  # its gradient comes after the last layers' unpacks
+
+            def boom(_: torch.Tensor) -> None:
+                raise RuntimeError("out of memory (test)")
+
+            hook = mid.register_hook(boom)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                h.sum().backward()
+            hook.remove()
+            del h  # the graph, and the storages prefetched for it, go
+            for _ in range(2):
+                m(x).sum().backward()  # allocations of the same sizes on the compute stream
+        assert ao.report()["prefetched"] > 0
+        ao.close()
+    assert sim.violations == []
+
+
+def test_a_handle_made_every_step_pins_nothing_new() -> None:
+    """Finding 6: the README's ``with offload_activations() as ao:`` inside the loop makes a
+    handle per step; the pinned pool is the device's, so the steps after the first register no
+    host memory."""
+    with testing.simulated_device(seed=1, max_delay_s=0.001) as sim:
+        m = gpt2(torch.float32, 0)
+        regs = []
+        for x in data(1, 5):
+            with offload_adam.offload_activations(min_bytes=1024):
+                loss = loss_of(m, x)
+            loss.backward()
+            regs.append(sim.counters()["registrations"])
+        assert regs[0] > 0 and regs[1:] == [regs[0]] * 4, regs
+
+
+def test_events_stay_bounded_from_step_to_step() -> None:
+    """Finding 9: the timing events around each compute wait are folded as they complete, not
+    kept until reset_stats(): the events alive stay the same from step to step."""
+    import gc
+
+    with testing.simulated_device(seed=1, max_delay_s=0.001) as sim:
+        m = gpt2(torch.float32, 0)
+        ao = offload_adam.offload_activations(min_bytes=1024)
+        live = []
+        for x in data(1, 8):
+            with ao:
+                loss = loss_of(m, x)
+            loss.backward()
+            sim.drain()
+            gc.collect()
+            live.append(sim.counters()["live_events"])
+        assert max(live[2:]) <= min(live[2:]) + 2 * 16 + 8, live  # (up to 16 pairs wait for their fold)
+        assert ao.report()["stall_s"] >= 0.0
+        ao.close()
+
+
+def test_saved_storages_whose_copy_has_not_run_are_capped() -> None:
+    """Finding 11: a forward that saves faster than the copies drain keeps every device storage
+    until its copy has run; beyond max_inflight_bytes the forward waits for the oldest."""
+    with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
+        sim.d2h.max_delay_s = 0.02  # slow copies out
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        cap = 3 * 64 * 64 * 4
+        with offload_adam.offload_activations(min_bytes=1024, max_inflight_bytes=cap) as ao:
+            loss = m(x).sum()
+        loss.backward()
+        rep = ao.report()
+        assert rep["inflight_peak_bytes"] <= cap + 64 * 64 * 4 and rep["inflight_waits"] > 0, rep
+        ao.close()
+    assert sim.violations == []
+
+
+def test_nvme_reloads_wait_for_their_region_not_for_every_copy_queued(nvme_dir: str) -> None:
+    """Finding 8: an NVMe reload into a region waits only for the copies that used that region
+    last, not for everything queued on the side streams (on a GPU the d2h stream carries the
+    optimizer's gradient copies, which follow the backward's compute: waiting for them drains the
+    GPU at every reload). Here the d2h stream is held after the forward: the backward must
+    finish without it."""
+    import threading
+
+    with testing.simulated_device(seed=4, max_delay_s=0.001) as sim:
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=1) as ao:
+            loss = m(x).sum()
+        assert ao.report()["write_bytes"] > 0
+        release = sim.hold(sim.d2h)
+        timed_out = threading.Event()
+        timer = threading.Timer(30.0, lambda: (timed_out.set(), release()))
+        timer.start()
+        try:
+            loss.backward()
+        finally:
+            timer.cancel()
+            release()
+        assert not timed_out.is_set(), "an NVMe reload waited for the d2h stream"
+        assert ao.report()["read_bytes"] > 0
+        ao.close()
+    assert sim.violations == []

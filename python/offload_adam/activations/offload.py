@@ -7,20 +7,24 @@ Kept as they are: tensors whose storage is under ``min_bytes``, parameters and v
 storage**: a storage saved twice, or through two views, is copied once, and each saved tensor
 comes back as the same view of the restored storage.
 
-- **Out.** The d2h side stream waits an event of the compute stream recorded at the save,
-  copies the storage's bytes into a region of the :class:`HostPool` (pinned slabs from the
-  runtime's arena, first-fit, regions reused once their tensors are freed: no per-tensor
-  pinning, no power-of-two rounding) and keeps the device storage alive until the copy has run;
-  the caching allocator may then reuse it.
+- **Out.** The d2h side stream waits an event of the compute stream recorded at the save (and the
+  copies that used the region last), copies the storage's bytes into a region of the device's
+  :class:`~offload_adam.runtime.pinned.SlabPool` (pinned slabs, first-fit, regions reused once
+  their tensors are freed, shared by every handle: no per-tensor pinning, no power-of-two
+  rounding, nothing pinned again by a handle made each step) and keeps the device storage alive
+  until the copy has run; the caching allocator may then reuse it. Beyond
+  ``max_inflight_bytes`` of storages whose copy has not run, the host waits for the oldest.
 - **Back.** Unpacking a saved tensor (the backward needs it) copies its storage into fresh
   device memory on the h2d side stream unless a prefetch did; the compute stream waits that
   copy's event (a stream wait, timed: ``stall_s``); the ``prefetch`` storages saved just before
-  it (what the backward needs next) are copied too. A region is reused only after the copies
-  that read it (the d2h stream waits the h2d stream's event of its release).
+  it (what the backward needs next) are copied too, into buffers kept allocated until their copy
+  has run (a graph dropped before its backward frees them early). A region is reused only after
+  the copies that used it (its release carries their events: the next copy into it waits them).
 - **NVMe** (``storage="nvme"``): a region whose d2h copy has run is written to a file of a run
   directory (I/O engine, ``O_DIRECT``) and released once written; a load reads it back into a
-  region (the host waits the read: ``io_wait_s``), copies it up and releases that region after
-  the copy. The file space of a freed storage is reused; the files go at ``close()``.
+  region (the host waits the read: ``io_wait_s``, and before it only the copies that used that
+  region last), copies it up and releases that region after the copy. The file space of a freed
+  storage is reused; the files go at ``close()``.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field, fields
+from collections import deque
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -38,75 +42,10 @@ from torch import Tensor
 
 from ..runtime.device import Device, Meter, stream_device
 from ..runtime.pager import ALIGN, RunDir
-from ..runtime.pinned import PinnedArena
+from ..runtime.pinned import FreeList, Region, align_up, slab_pool
 
 STORAGES = ("cpu", "nvme")
-SLAB = 64 << 20  # bytes of a pinned slab or a file segment (a larger storage gets one its size)
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
-class FreeList:
-    """First-fit allocation of byte ranges in segments made on demand by ``grow(nbytes)`` (the
-    new segment's number and size, at least ``nbytes``): pinned slabs, file segments. Freed ranges merge with their neighbours."""
-
-    def __init__(self, grow: Callable[[int], tuple[int, int]], align: int) -> None:
-        self.grow = grow
-        self.align = align
-        self.free: dict[int, list[tuple[int, int]]] = {}  # segment -> sorted (start, end) free
-
-    def alloc(self, nbytes: int) -> tuple[int, int]:
-        n = _align(max(nbytes, 1), self.align)
-        for seg, spans in self.free.items():
-            for k, (a, b) in enumerate(spans):
-                if b - a >= n:
-                    spans[k : k + 1] = [(a + n, b)] if b - a > n else []
-                    return seg, a
-        seg, size = self.grow(n)
-        self.free[seg] = [(n, size)] if size > n else []
-        return seg, 0
-
-    def release(self, seg: int, start: int, nbytes: int) -> None:
-        end = start + _align(max(nbytes, 1), self.align)
-        spans = self.free[seg]
-        spans.append((start, end))
-        spans.sort()
-        merged: list[tuple[int, int]] = []
-        for a, b in spans:
-            if merged and merged[-1][1] == a:
-                merged[-1] = (merged[-1][0], b)
-            else:
-                merged.append((a, b))
-        self.free[seg] = merged
-
-
-class HostPool:
-    """Pinned host regions for offloaded storages (see the module documentation)."""
-
-    def __init__(self, device: Device, align: int) -> None:
-        self.arena = PinnedArena(device)
-        self.slabs: list[Tensor] = []
-        self.list = FreeList(self._slab, align)
-
-    def _slab(self, n: int) -> tuple[int, int]:
-        # Slabs grow with what is held (1 MiB, then the total so far, up to SLAB): a small
-        # model's activations take little more than they need.
-        n = max(n, min(SLAB, max(1 << 20, sum(t.numel() for t in self.slabs))))
-        self.slabs.append(self.arena.alloc(n, torch.uint8, align=ALIGN))
-        return len(self.slabs) - 1, n
-
-    @property
-    def nbytes(self) -> int:
-        return self.arena.nbytes
-
-    def alloc(self, nbytes: int) -> tuple[Tensor, tuple[int, int]]:
-        seg, off = self.list.alloc(nbytes)
-        return self.slabs[seg][off : off + nbytes], (seg, off)
-
-    def release(self, where: tuple[int, int], nbytes: int) -> None:
-        self.list.release(where[0], where[1], nbytes)
+SEGMENT = 64 << 20  # bytes of a file segment (a larger storage gets one its size)
 
 
 @dataclass(eq=False)
@@ -117,8 +56,7 @@ class _Item:
     nbytes: int
     d2h_event: Any
     probe: Any  # a weak reference to a tensor of the storage: the storage lives while it does
-    host: Tensor | None = None  # its host region (NVMe: until written)
-    where: tuple[int, int] | None = None  # the region's place in the pool
+    region: Region | None = None  # its host region in the pool (NVMe: until written)
     file: tuple[int, int] | None = None  # NVMe: (segment, offset) of its bytes
     writing: Any = None  # NVMe: the write's ticket
     refs: int = 0  # saved tensors packed from it and alive
@@ -155,23 +93,35 @@ class _Stats:
     read_bytes: int = 0
     write_bytes: int = 0
     io_wait_s: float = 0.0
-    stalls: list[tuple[Any, Any]] = field(default_factory=list)
+    inflight_peak_bytes: int = 0  # offloaded storages whose copy had not run yet, the most at once
+    inflight_waits: int = 0  # host waits for copies, to stay under max_inflight_bytes
+    stall_s: float = 0.0  # folded from the stall events whose both ends completed
 
 
 class ActivationOffload:
     """The handle :func:`offload_activations` returns (see the module documentation)."""
 
     def __init__(
-        self, device: Device, *, min_bytes: int, prefetch: int, storage: str, nvme_dir: Any, modules: list[torch.nn.Module]
+        self,
+        device: Device,
+        *,
+        min_bytes: int,
+        prefetch: int,
+        storage: str,
+        nvme_dir: Any,
+        modules: list[torch.nn.Module],
+        max_inflight_bytes: int,
     ) -> None:
         self.device = device
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.storage = storage
+        self.max_inflight_bytes = max_inflight_bytes
         self.meter = Meter()
         self.nvme_dir = nvme_dir
         self.run: RunDir | None = None  # NVMe: made at the first offload, removed when nothing is saved
-        self.pool = HostPool(device, ALIGN if storage == "nvme" else 512)
+        # The device's pool, shared by every handle: a handle made each step pins nothing new.
+        self.pool = slab_pool(device, ALIGN if storage == "nvme" else 512)
         self.files: list[int] = []
         self.disk = FreeList(self._segment, ALIGN)
         self.lock = threading.RLock()
@@ -179,7 +129,9 @@ class ActivationOffload:
         self.last: _Item | None = None  # the last one saved (the tail of the prev/next chain)
         self.by_ptr: dict[int, _Item] = {}
         self.writes: list[_Item] = []  # NVMe: regions to write once their d2h copy has run
-        self.free_event: Any = None  # the h2d copies that read a region before its release
+        self.inflight: deque[_Item] = deque()  # offloaded, their d2h copy maybe not run yet
+        self.inflight_bytes = 0
+        self.stalls: list[tuple[Any, Any]] = []  # (before, after) of compute waits not yet folded
         self.stats = _Stats()
         self._hooks: list[Any] = []  # saved_tensors_hooks contexts entered, innermost last
         for m in modules:
@@ -266,18 +218,18 @@ class ActivationOffload:
     def _offload(self, t: Tensor, st: Any) -> _Item:
         dev = self.device
         nbytes = st.nbytes()
-        host, where = self.pool.alloc(nbytes)
+        region = self.pool.alloc(nbytes)
         src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
         # After the work that made the tensor (the compute stream, now), and after the copies
-        # that read a released region (this one may be it).
+        # that used the region before (another storage's, released).
         dev.stream_waits(dev.d2h, dev.record_current())
-        if self.free_event is not None:
-            dev.stream_waits(dev.d2h, self.free_event)
+        for e in region.after:
+            dev.stream_waits(dev.d2h, e)
         with torch.profiler.record_function("offload_adam.activations_d2h"):
-            dev.copy([(host, src)], dev.d2h)
+            dev.copy([(region.host, src)], dev.d2h)
         ev = dev.record(dev.d2h)
         dev.keep_until_done(src, dev.d2h)  # the device storage stays until its copy has run
-        item = _Item(st.data_ptr(), nbytes, ev, weakref.ref(t), host=host, where=where)
+        item = _Item(st.data_ptr(), nbytes, ev, weakref.ref(t), region=region)
         self.items[id(item)] = item
         item.prev = self.last
         if self.last is not None:
@@ -288,13 +240,31 @@ class ActivationOffload:
         self.stats.offloaded_tensors += 1
         if self.storage == "nvme":
             self.writes.append(item)
+        self._cap_inflight(item)
         return item
 
+    def _cap_inflight(self, item: _Item) -> None:
+        """Storages whose copy has not run stay allocated on the device (``keep_until_done``): a
+        forward that saves faster than the copies drain would keep them all. Beyond
+        ``max_inflight_bytes`` the host waits for the oldest copies."""
+        dev = self.device
+        self.inflight.append(item)
+        self.inflight_bytes += item.nbytes
+        while self.inflight and dev.query(self.inflight[0].d2h_event):
+            self.inflight_bytes -= self.inflight.popleft().nbytes
+        self.stats.inflight_peak_bytes = max(self.stats.inflight_peak_bytes, self.inflight_bytes)
+        while self.inflight_bytes > self.max_inflight_bytes and len(self.inflight) > 1:
+            oldest = self.inflight.popleft()
+            dev.host_wait(oldest.d2h_event)
+            self.inflight_bytes -= oldest.nbytes
+            self.stats.inflight_waits += 1
+
     def _release_region(self, item: _Item) -> None:
-        if item.where is not None:
-            self.pool.release(item.where, item.nbytes)
-            item.host, item.where = None, None
-            self.free_event = self.device.record(self.device.h2d)
+        if item.region is not None:
+            # Reusable once the copies that wrote it (d2h) and read it (h2d) have run: the next
+            # user of these bytes waits for those, and only those.
+            self.pool.release(item.region, item.d2h_event, item.h2d_event)
+            item.region = None
 
     def _dropped(self, item: _Item) -> None:
         """A saved tensor was freed by autograd (its graph is gone)."""
@@ -328,7 +298,7 @@ class ActivationOffload:
     # -- NVMe -----------------------------------------------------------------------------------
 
     def _segment(self, size: int) -> tuple[int, int]:
-        size = max(size, SLAB)
+        size = max(size, SEGMENT)
         if self.run is None:
             self.run = RunDir(self.nvme_dir)
         self.run.check_space(size, "offload_activations(storage='nvme')")
@@ -349,12 +319,13 @@ class ActivationOffload:
                 continue
             self.device.host_wait(item.d2h_event)
             self.writes.remove(item)
-            assert item.host is not None
+            assert item.region is not None
+            host = item.region.host
             seg, off = self.disk.alloc(item.nbytes)
             item.file = (seg, off)
             assert self.run is not None
-            n = _align(item.nbytes, ALIGN)
-            region = torch.empty(0, dtype=torch.uint8).set_(item.host.untyped_storage(), item.host.storage_offset(), (n,), (1,))
+            n = align_up(item.nbytes, ALIGN)
+            region = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage(), host.storage_offset(), (n,), (1,))
             item.writing = self.run.io.submit([(True, self.files[seg], region, off)])
             self.stats.write_bytes += n
         for item in self.items.values():
@@ -366,27 +337,25 @@ class ActivationOffload:
 
     def _host_of(self, item: _Item) -> Tensor:
         """The item's bytes in a host region: its own, or NVMe read back into a new one."""
-        if item.host is not None:
+        if item.region is not None:
             if item.writing is not None:
                 self._wait(item.writing)  # (the write reads the region; both may proceed, but
                 item.writing = None  # the region is then the item's until the h2d copy)
             if item in self.writes:
                 self.writes.remove(item)  # not written yet: brought back from its region
-            return item.host
+            return item.region.host
         assert self.run is not None and item.file is not None
-        host, where = self.pool.alloc(item.nbytes)
+        r = self.pool.alloc(item.nbytes)
         # The region may have been another's: the host writes it only after the copies that
-        # read it (h2d) and the copies that wrote it (d2h) have run.
-        dev = self.device
-        if self.free_event is not None:
-            dev.host_wait(self.free_event)
-        dev.host_wait(dev.record(dev.d2h))
-        n = _align(item.nbytes, ALIGN)
-        region = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage(), host.storage_offset(), (n,), (1,))
+        # used it last (their events, released with it), not after everything queued since.
+        for e in r.after:
+            self.device.host_wait(e)
+        n = align_up(item.nbytes, ALIGN)
+        region = torch.empty(0, dtype=torch.uint8).set_(r.host.untyped_storage(), r.host.storage_offset(), (n,), (1,))
         self._wait(self.run.io.submit([(False, self.files[item.file[0]], region, item.file[1])]))
         self.stats.read_bytes += n
-        item.host, item.where = host, where
-        return host
+        item.region = r
+        return r.host
 
     # -- back -----------------------------------------------------------------------------------
 
@@ -397,6 +366,9 @@ class ActivationOffload:
         dev.stream_waits(dev.h2d, item.d2h_event)  # the region holds the bytes
         with torch.profiler.record_function("offload_adam.activations_h2d"):
             dev.copy([(buf, host)], dev.h2d)
+        # The buffer may be dropped before its unpack (a graph freed, a backward that raised):
+        # the caching allocator must not hand it out while this copy writes it.
+        dev.keep_until_done(buf, dev.h2d)
         item.dev = buf
         item.h2d_event = dev.record(dev.h2d)
         self.stats.h2d_bytes += item.nbytes
@@ -428,10 +400,28 @@ class ActivationOffload:
                 nxt = nxt.prev
         e0 = dev.record_current(timing=True)
         dev.current_waits(event)
-        self.stats.stalls.append((e0, dev.record_current(timing=True)))
+        with self.lock:
+            self.stalls.append((e0, dev.record_current(timing=True)))
+            if len(self.stalls) > 16:
+                self._fold()
         return torch.empty(0, dtype=packed.dtype, device=buf.device).set_(buf.untyped_storage(), packed.offset, packed.shape, packed.stride)
 
     # -- reports and the end --------------------------------------------------------------------
+
+    def _fold(self, wait: bool = False) -> None:
+        """Adds the stalls whose events completed to ``stall_s`` and drops their events (with
+        ``wait``: all of them, after they complete)."""
+        dev = self.device
+        keep = []
+        for e0, e1 in self.stalls:
+            if wait:
+                dev.host_wait(e1)
+            t = dev.elapsed(e0, e1)
+            if t is None:
+                keep.append((e0, e1))
+            else:
+                self.stats.stall_s += t
+        self.stalls = keep
 
     def report(self) -> dict[str, Any]:
         """Since the handle was made (or :meth:`reset_stats`): ``offloaded_bytes`` and
@@ -439,16 +429,21 @@ class ActivationOffload:
         ``kept_tensors`` (saved as they were: small, parameters, host tensors),
         ``deduplicated_tensors`` (saved again from a storage already out), ``d2h_bytes``,
         ``h2d_bytes``, ``loads``, ``prefetched``, ``stall_s`` (time the compute waited for a
-        tensor to come back, from events around each wait); and now: ``host_pinned_bytes``
-        (the pool), ``gpu_peak_bytes`` (device memory of storages brought back, the most at
+        tensor to come back, from events around each wait), ``inflight_peak_bytes`` (storages
+        whose copy out had not run, the most at once) and ``inflight_waits`` (host waits to stay
+        under ``max_inflight_bytes``); and now: ``host_pinned_bytes`` (the device's pool, shared
+        by every handle), ``gpu_peak_bytes`` (device memory of storages brought back, the most at
         once); with NVMe ``write_bytes``, ``read_bytes``, ``io_wait_s``."""
+        with self.lock:
+            self._fold(wait=True)
         st = self.stats
-        out: dict[str, Any] = {f.name: getattr(st, f.name) for f in fields(st) if f.name != "stalls"}
-        out["stall_s"] = sum(self.device.elapsed(e0, e1) or 0.0 for e0, e1 in st.stalls)
+        out: dict[str, Any] = {f.name: getattr(st, f.name) for f in fields(st)}
         out.update(host_pinned_bytes=self.pool.nbytes, gpu_peak_bytes=self.meter.peak, storage=self.storage)
         return out
 
     def reset_stats(self) -> None:
+        with self.lock:
+            self.stalls = []
         self.stats = _Stats()
         self.meter.peak = self.meter.current
 
@@ -483,6 +478,7 @@ def offload_activations(
     *,
     modules: Any = None,
     device: Any = None,
+    max_inflight_bytes: int = 1 << 30,
 ) -> ActivationOffload:
     """Offloads what a forward saves for backward (see the module documentation).
 
@@ -499,6 +495,12 @@ def offload_activations(
         modules: restrict the offload to what these modules save.
         device: the CUDA device of the activations (default: the current one; inside
             ``offload_adam.testing.simulated_device()``, the simulated device).
+        max_inflight_bytes: bytes of saved storages whose copy to the host has not run yet
+            (they stay allocated on the device meanwhile) beyond which the forward waits for the
+            oldest copies (default 1 GiB).
+
+    The pinned pool is the device's, shared by every handle: creating a handle per step pins
+    nothing new (``with offload_activations() as ao:`` inside the loop is fine).
     """
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an integer >= 0, got {min_bytes!r}")
@@ -506,6 +508,8 @@ def offload_activations(
         raise ValueError(f"prefetch must be an integer >= 0, got {prefetch!r}")
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    if isinstance(max_inflight_bytes, bool) or not isinstance(max_inflight_bytes, int) or max_inflight_bytes < 0:
+        raise ValueError(f"max_inflight_bytes must be an integer >= 0, got {max_inflight_bytes!r}")
     if storage == "nvme" and nvme_dir is None:
         raise ValueError("nvme_dir: storage='nvme' needs a directory (on an SSD)")
     if storage == "cpu" and nvme_dir is not None:
@@ -514,4 +518,7 @@ def offload_activations(
         raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
     mods = [] if modules is None else [modules] if isinstance(modules, torch.nn.Module) else list(modules)
     dev = stream_device(device, "offload_activations moves a GPU's activations")
-    return ActivationOffload(dev, min_bytes=min_bytes, prefetch=prefetch, storage=storage, nvme_dir=nvme_dir, modules=mods)
+    return ActivationOffload(
+        dev, min_bytes=min_bytes, prefetch=prefetch, storage=storage, nvme_dir=nvme_dir, modules=mods,
+        max_inflight_bytes=max_inflight_bytes,
+    )  # fmt: skip

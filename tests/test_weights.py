@@ -412,3 +412,23 @@ def test_nvme_files_go_with_close_and_with_the_garbage(nvme_dir: str) -> None:
         del model2
         gc.collect()
         assert os.listdir(nvme_dir) == []
+
+
+def test_close_waits_for_a_forward_on_a_user_stream_before_freeing_the_ring() -> None:
+    """CUDA review (December) finding 10: a forward run under the user's own stream may still
+    read the ring when close() frees it; the caching allocator hands the slots to the next
+    allocations of the stream that made them, so close() synchronizes the device first. The
+    simulator flags a reuse the freed memory's last reader was not ordered before."""
+    model = gpt2(torch.float32, 0, layers=3)
+    x = prompt(0)
+    with testing.simulated_device(seed=0, max_delay_s=0.001) as sim:
+        h = offload_adam.offload_weights(model, prefetch=0)  # (no copy queued after the pass waits its reads)
+        sizes = [s.buf.numel() for s in h.streamer.slots]
+        user = sim.stream()
+        with sim.use_stream(user), torch.no_grad():
+            model(x)
+        h.close()
+        taken = [sim.empty(n, torch.uint8) for n in sizes]  # the next allocations get the ring's memory
+        assert sim.counters()["reuses"] >= len(sizes)
+        del taken
+    assert sim.violations == []

@@ -261,7 +261,9 @@ class WeightOffload:
             for e in self.blocks[i].entries:
                 set_home(e.param, None)
         self.streamer.close()
-        self.device.drain()
+        # Every stream, the user's included: a forward under torch.cuda.stream(s) may still read
+        # the ring this frees (a cold path: one synchronize).
+        self.device.synchronize()
         for b in self.blocks:
             if b.index in self.resident:
                 for e in b.entries:
@@ -275,7 +277,6 @@ class WeightOffload:
                 if buf is not None:
                     m._buffers[name] = self._to_host(buf)
         self.source.close()
-        self.streamer.slots.clear()
         self.closed = True
         if getattr(self.model, ATTR, None) is self:
             delattr(self.model, ATTR)

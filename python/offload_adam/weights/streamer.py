@@ -658,3 +658,5 @@ class Streamer:
         self.loaded.clear()
         self.active.clear()
         self.open.clear()
+        self.slots.clear()
+        self.slot_of_ptr.clear()  # the ring's memory goes with its last reference

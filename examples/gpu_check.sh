@@ -31,6 +31,11 @@ export PYTHONPATH=/tmp/oa_site${PYTHONPATH:+:$PYTHONPATH}
 } 2>&1 | tee "$OUT/env.txt"
 # The CUDA tests first (what has never run on a GPU); the rest of the suite last, with what is left.
 timeout "$(left 150)" python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda tests 2>&1 | tail -40 | tee "$OUT/tests.txt"
+# Once more under torch's CUDA stream sanitizer (CSAN): it tracks kernel arguments, copies, events,
+# waits and allocator frees, and reports an unordered access whatever the timing (the review's
+# findings 1, 5 and 10 among them). Its reports go to stderr: the tail keeps them.
+echo "--- TORCH_CUDA_SANITIZER=1" >> "$OUT/tests.txt"
+TORCH_CUDA_SANITIZER=1 timeout "$(left 150)" python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda -k "not second_gpu" tests/test_cuda.py 2>&1 | grep -E "CSAN|race|passed|failed|FAILED|Error" | tail -40 | tee -a "$OUT/tests.txt"
 timeout "$(left 120)" python3 examples/gpu_bench.py --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt"
 mkdir -p /tmp/oa_nvme
 {

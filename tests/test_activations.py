@@ -403,3 +403,36 @@ def test_nvme_reloads_wait_for_their_region_not_for_every_copy_queued(nvme_dir: 
         assert ao.report()["read_bytes"] > 0
         ao.close()
     assert sim.violations == []
+
+
+def test_copies_needed_now_do_not_queue_behind_a_stalled_prefetch() -> None:
+    """Finding 12: every client's copies to the device shared one queue, so a copy needed now (a
+    block loaded at its activation, a saved tensor unpacked) waited behind a prefetch that waits
+    for the compute to free its slot. Demand loads go to the device's priority stream: with the
+    prefetch stream held, a forward and backward that load everything on demand finish."""
+    import threading
+
+    with testing.simulated_device(seed=6, max_delay_s=0.001) as sim:
+        m = gpt2(torch.float32, 6)
+        (x,) = data(6)
+        ref = copy.deepcopy(m)
+        loss_of(ref, x).backward()
+        h = offload_adam.offload_weights(m, prefetch=0)
+        release = sim.hold(sim.h2d)  # a prefetch stuck behind the compute
+        timed_out = threading.Event()
+        timer = threading.Timer(30.0, lambda: (timed_out.set(), release()))
+        timer.start()
+        try:
+            with offload_adam.offload_activations(min_bytes=1024, prefetch=0) as ao:
+                loss = loss_of(m, x)
+            loss.backward()
+        finally:
+            timer.cancel()
+            release()
+        assert not timed_out.is_set(), "a copy needed now waited behind the prefetch stream"
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+        assert ao.report()["loads"] > 0
+        ao.close()
+        h.close()
+    assert sim.violations == []

@@ -129,14 +129,59 @@ def test_cuda_checkpoint_rollback_right_after_a_step_keeps_that_steps_weights() 
         assert torch.equal(p.detach().cpu(), w)
 
 
+def _primary_context_active(index: int) -> bool:
+    """Whether GPU ``index`` has a primary context (``cuDevicePrimaryCtxGetState``, through the
+    driver: a context allocates nothing through torch's caching allocator, so
+    ``memory_reserved`` cannot see it)."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev = ctypes.c_int()
+    assert cuda.cuDeviceGet(ctypes.byref(dev), index) == 0
+    flags, active = ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return bool(active.value)
+
+
+_SECOND_GPU = """
+import gc, sys, torch
+sys.path.insert(0, {tests!r})
+from test_cuda import Net, _primary_context_active
+import offload_adam
+from offload_adam import AdamW
+assert not _primary_context_active(0)
+torch.manual_seed(0)
+m = Net().to("cuda:1")
+opt = AdamW(m.parameters(), async_step=True)
+m(torch.randint(0, 97, (2, 8), device="cuda:1")).float().sum().backward()
+opt.step()
+opt.synchronize()
+w = Net()
+h = offload_adam.offload_weights(w, device="cuda:1", prefetch=1)
+with offload_adam.offload_activations(device="cuda:1", min_bytes=1024) as ao:
+    loss = w(torch.randint(0, 97, (2, 64), device="cuda:1")).float().sum()
+loss.backward()
+h.close()
+ao.close()
+del opt, m, h, ao, w
+gc.collect()
+print("context on GPU 0:", _primary_context_active(0))
+assert not _primary_context_active(0)
+"""
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_cuda_a_model_on_a_second_gpu_creates_no_context_on_the_first() -> None:
-    m = Net().to("cuda:1")
-    opt = AdamW(m.parameters(), async_step=True)
-    m(torch.randint(0, 97, (2, 8), device="cuda:1")).float().sum().backward()
-    opt.step()
-    opt.synchronize()
-    assert torch.cuda.memory_reserved(0) == 0
+    """CUDA review (December) findings 3 and 4: the optimizer, the weights and the activations on
+    cuda:1, from a thread whose current device is 0, create no primary context on GPU 0 (checked
+    through the driver, in a fresh process: this one has contexts on every GPU already)."""
+    import os
+    import subprocess
+    import sys
+
+    code = _SECOND_GPU.format(tests=os.path.dirname(__file__))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("mode", [{}, {"async_step": True}, {"free_gradients": True}])
@@ -264,3 +309,99 @@ def test_cuda_activations_offloaded_are_exact_and_save_memory(storage: str, tmp_
     assert rep["h2d_bytes"] == rep["offloaded_bytes"] > 0 and rep["kept_tensors"] >= 1
     assert peak < peak_ref, (peak, peak_ref)
     ao.close()
+
+
+# -- the CUDA review (December): what only a GPU shows ------------------------------------------------
+
+
+def _llama(vocab: int = 32000, layers: int = 4) -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=layers, hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=2,
+        vocab_size=vocab, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg)  # untied head: one instance across forward and backward
+
+
+def test_cuda_training_with_streamed_weights_then_eval_and_generate_match_resident() -> None:
+    """Finding 1 on a GPU: train 2 steps with streamed weights and a large untied head (vocab
+    32k, 2k tokens), then an eval pass and generate() (another block order) are bitwise the
+    resident model's, a few rounds; under TORCH_CUDA_SANITIZER=1 an unordered H2D write against
+    the head's GEMM is reported whatever the timing."""
+    import offload_adam
+
+    model = _llama().bfloat16()
+    ref = copy.deepcopy(model).cuda()
+    h = offload_adam.offload_weights(model, prefetch=2)
+    opt = AdamW(model.parameters(), lr=1e-3, bucket_mb=16)
+    ropt = AdamW(ref.parameters(), lr=1e-3, bucket_mb=16)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for _ in range(2):
+        x = torch.randint(1, 32000, (2, 1024), device="cuda", generator=g)
+        for m, o in ((model, opt), (ref, ropt)):
+            out = m(x[:, :-1]).logits.float()
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).backward()
+            o.step()
+            o.zero_grad()
+    opt.synchronize()
+    ropt.synchronize()
+    x = torch.randint(1, 32000, (2, 1024), device="cuda", generator=g)
+    for _ in range(3):
+        with torch.no_grad():
+            assert torch.equal(model.eval()(x).logits, ref.eval()(x).logits)
+    kw = {"max_new_tokens": 16, "min_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
+    p = x[:, :32]
+    assert torch.equal(
+        model.generate(p, attention_mask=torch.ones_like(p), **kw), ref.generate(p, attention_mask=torch.ones_like(p), **kw)
+    )
+    opt.close()
+    h.close()
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["one-handle", "handle-per-step"])
+def test_cuda_activation_regions_reused_over_steps_stay_exact(fresh: bool) -> None:
+    """Pinned regions reused over 5 steps (a d2h copy into a released region after the h2d
+    copies that read it): the gradients are bitwise those without offloading, and a handle made
+    each step pins nothing new (finding 6)."""
+    import offload_adam
+
+    torch.manual_seed(0)
+    m = Net(d=1024).cuda()
+    ref = copy.deepcopy(m)
+    ao = None if fresh else offload_adam.offload_activations(min_bytes=1 << 16)
+    pinned = []
+    for step in range(5):
+        x = torch.randint(0, 97, (16, 256), device="cuda")
+        ref(x).float().square().mean().backward()
+        handle = offload_adam.offload_activations(min_bytes=1 << 16) if fresh else ao
+        assert handle is not None
+        with handle:
+            loss = m(x).float().square().mean()
+        loss.backward()
+        torch.cuda.synchronize()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+        pinned.append(handle.report()["host_pinned_bytes"])
+    assert pinned[1:] == pinned[:1] * 4, pinned
+
+
+def test_cuda_autocast_keeps_no_copy_of_streamed_weights() -> None:
+    """Finding 2 on a GPU: an fp32 model streamed under autocast holds the ring, not a bf16 copy
+    of each weight: the peak is within the ring, the resident bytes and the activations."""
+    import offload_adam
+
+    model = _Big().eval()
+    x = torch.randint(0, 1000, (8, 256), device="cuda")
+    h = offload_adam.offload_weights(model, prefetch=1)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", torch.bfloat16), torch.no_grad():
+        model(x)
+    peak = torch.cuda.max_memory_allocated() - base
+    rep = h.report()
+    # Cached, the bf16 copies alone would be half the fp32 weights; a block's casts and
+    # activations are far less than a quarter of them.
+    assert peak < rep["weights_bytes"] // 4, (peak, rep["weights_bytes"])
+    h.close()

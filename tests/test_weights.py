@@ -432,3 +432,49 @@ def test_close_waits_for_a_forward_on_a_user_stream_before_freeing_the_ring() ->
         assert sim.counters()["reuses"] >= len(sizes)
         del taken
     assert sim.violations == []
+
+
+class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
+    """Weak references to every cast (``_to_copy``) of a tensor lying in ``storages``."""
+
+    def __init__(self, storages: set[int]) -> None:
+        super().__init__()
+        self.storages = storages
+        self.casts: list[Any] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.storages:
+            self.casts.append(weakref.ref(out))
+        return out
+
+    def alive(self) -> int:
+        gc.collect()
+        return sum(c() is not None for c in self.casts)
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_autocast_keeps_no_copy_of_a_streamed_weight(arch: str) -> None:
+    """CUDA review (December) finding 2: autocast's cast cache keeps a bf16 copy of every fp32
+    weight it casts (the parameter stays the same object while its data is a slot view) until
+    the outermost autocast exits, which undoes the ring's bound. CPU autocast has the same
+    cache: no cast of a streamed weight outlives its block's forward, and the logits are bitwise
+    the resident model's under autocast."""
+    import torch.utils._python_dispatch  # noqa: F401
+
+    model = MODELS[arch](torch.float32, 7)
+    ref = copy.deepcopy(model)
+    x = prompt(7)
+    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        want = ref(x).logits
+    with testing.simulated_device(seed=7, max_delay_s=0.001):
+        h = offload_adam.offload_weights(model, prefetch=1)
+        watch = _Casts({s.buf.untyped_storage().data_ptr() for s in h.streamer.slots})
+        with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+            with watch:
+                got = model(x).logits
+            assert watch.casts and watch.alive() == 0  # (inside the autocast region: its cache would hold them)
+        assert torch.equal(got, want)
+        h.close()

@@ -188,6 +188,14 @@ class ActivationOffload:
         base = t._base if t._base is not None else t
         if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return True  # a parameter, or a view of one (F.linear saves weight.t())
+        fn = base.grad_fn
+        if fn is not None and fn.name() == "ToCopyBackward0":
+            nxt = fn.next_functions
+            var = getattr(nxt[0][0], "variable", None) if nxt and nxt[0][0] is not None else None
+            if isinstance(var, torch.nn.Parameter):
+                # autocast's cast of a resident weight: its cast cache holds it on the device
+                # until autocast exits anyway, so a copy out would free nothing.
+                return True
         return t.untyped_storage().nbytes() < self.min_bytes
 
     def _pack(self, t: Tensor) -> Any:
@@ -359,18 +367,21 @@ class ActivationOffload:
 
     # -- back -----------------------------------------------------------------------------------
 
-    def _load(self, item: _Item) -> None:
+    def _load(self, item: _Item, now: bool) -> None:
+        """Queues the copy of ``item`` back to the device; ``now``: the backward needs it at once
+        (the device's priority stream, never behind a prefetch), else a prefetch."""
         dev = self.device
+        stream = dev.h2d_now if now else dev.h2d
         host = self._host_of(item)
         buf = dev.empty(item.nbytes, torch.uint8, self.meter)
-        dev.stream_waits(dev.h2d, item.d2h_event)  # the region holds the bytes
+        dev.stream_waits(stream, item.d2h_event)  # the region holds the bytes
         with torch.profiler.record_function("offload_adam.activations_h2d"):
-            dev.copy([(buf, host)], dev.h2d)
+            dev.copy([(buf, host)], stream)
         # The buffer may be dropped before its unpack (a graph freed, a backward that raised):
         # the caching allocator must not hand it out while this copy writes it.
-        dev.keep_until_done(buf, dev.h2d)
+        dev.keep_until_done(buf, stream)
         item.dev = buf
-        item.h2d_event = dev.record(dev.h2d)
+        item.h2d_event = dev.record(stream)
         self.stats.h2d_bytes += item.nbytes
         self.stats.loads += 1
         if item.file is not None:
@@ -383,7 +394,7 @@ class ActivationOffload:
         with self.lock:
             item = packed.item
             if item.dev is None:
-                self._load(item)
+                self._load(item, now=True)
             buf, event = item.dev, item.h2d_event
             assert buf is not None
             item.unpacked += 1
@@ -395,7 +406,7 @@ class ActivationOffload:
                 if nxt is None:
                     break
                 if nxt.dev is None and nxt.unpacked < nxt.refs:
-                    self._load(nxt)
+                    self._load(nxt, now=False)
                     self.stats.prefetched += 1
                 nxt = nxt.prev
         e0 = dev.record_current(timing=True)

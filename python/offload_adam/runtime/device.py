@@ -45,8 +45,9 @@ class Device(Protocol):
     """An accelerator, as the clients of the runtime see it."""
 
     torch_device: torch.device
-    d2h: Any  # side stream of gradient copies to the host
-    h2d: Any  # side stream of weight copies back to the device
+    d2h: Any  # side stream of copies to the host
+    h2d: Any  # side stream of copies to the device (copy-backs, prefetches)
+    h2d_now: Any  # side stream of copies to the device needed now (demand loads), at a higher priority
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
         """A zeroed host buffer of exactly ``n`` elements that copies to and from the device can
@@ -61,7 +62,7 @@ class Device(Protocol):
 
     def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
         """Queues ``dst.copy_(src)`` for each pair on ``stream``. The host side (the destination
-        of a copy on ``d2h``, the source of one on ``h2d``) is pinned host memory: a pageable one
+        of a copy on ``d2h``, the source of one on ``h2d`` or ``h2d_now``) is pinned host memory: a pageable one
         is staged by the driver, which blocks the calling thread."""
         ...
 
@@ -185,6 +186,10 @@ class CudaDevice:
         with torch.cuda.device(device):
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
+            # A copy needed now must not queue behind a prefetch that waits for the compute to
+            # free its slot: a stream of its own, scheduled first when both have copies ready.
+            lo, hi = torch.cuda.Stream.priority_range()
+            self.h2d_now = torch.cuda.Stream(device, priority=min(lo, hi))
         self._cudart = torch.cuda.cudart()
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
@@ -201,7 +206,7 @@ class CudaDevice:
                 raise pin_error(nbytes, int(rc))
             # On the storage, not this tensor: a client may keep only views of it.
             weakref.finalize(
-                t.untyped_storage(), _drain_then_unregister, self._cudart, self.torch_device, t.data_ptr(), (self.d2h, self.h2d)
+                t.untyped_storage(), _drain_then_unregister, self._cudart, self.torch_device, t.data_ptr(), (self.d2h, self.h2d, self.h2d_now)
             )
         return t
 
@@ -264,6 +269,7 @@ class CudaDevice:
         with on_device(torch.cuda, self.torch_device):
             self.d2h.synchronize()
             self.h2d.synchronize()
+            self.h2d_now.synchronize()
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.torch_device)

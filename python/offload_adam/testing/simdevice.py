@@ -4,7 +4,7 @@ It implements the :class:`~offload_adam.runtime.device.Device` interface, so the
 unchanged on CPU parameters ("device" tensors) and host buffers, with the hazards of a real GPU
 kept. What it models:
 
-* **Side streams.** Each (``d2h``, ``h2d``) is a FIFO worker thread that runs its operations
+* **Side streams.** Each (``d2h``, ``h2d``, ``h2d_now``) is a FIFO worker thread that runs its operations
   after a random, seeded delay; a copy reads its source when it runs, not when it is queued. An
   event completes when its stream reaches it; a stream or the host can wait on it.
 * **The compute stream.** The current stream is the calling thread: its device operations run at
@@ -33,7 +33,7 @@ kept. What it models:
 * **Host memory.** A host buffer (``host_buffer``, ``staging``: pinned) released while a queued
   copy still uses it is a violation (on a GPU: a DMA into unregistered, freed pages); freed device
   memory a queued copy reads gives NaN. An asynchronous copy whose host side is not pinned (the
-  destination of a ``d2h`` copy, the source of an ``h2d`` one) is counted, and a violation in
+  destination of a ``d2h`` copy, the source of one to the device) is counted, and a violation in
   ``strict`` mode; ``copy_blocking`` (cold paths) may use pageable memory.
 * **Devices.** A thread has a current device (``cuda``, a model of ``torch.cuda``'s device and
   stream contexts and of the primary contexts they create). The device runs its copies through
@@ -529,6 +529,7 @@ class SimulatedDevice:
         self.cuda = SimCuda(self)
         self.d2h = _Stream(self, "d2h", seed * 2 + 1)
         self.h2d = _Stream(self, "h2d", seed * 2 + 2)
+        self.h2d_now = _Stream(self, "h2d_now", seed * 2 + 3 + 10**6)
         # Testing aid of the simulator itself: False models a release that does not wait for
         # queued copies (what CUDA's cudaHostUnregister does), to show that tests catch it.
         self.release_waits = True
@@ -662,7 +663,7 @@ class SimulatedDevice:
         for a in h.conflicts(lo, hi, write):
             if a.lane != lane.name and vc.get(a.lane, 0) < a.n:
                 verb = "writes" if write else "reads"
-                kind = "op" if a.lane in ("d2h", "h2d") else "epoch"
+                kind = "op" if a.lane in ("d2h", "h2d", "h2d_now") else "epoch"
                 self.violations.append(
                     f"{what} (op {n} of {lane.name}) {verb} bytes {lo}-{hi} of {h.label}, last used by {a.what} "
                     f"({kind} {a.n} of {a.lane}), which {lane.name} has not waited for (it waited {a.lane} up to "
@@ -798,7 +799,7 @@ class SimulatedDevice:
                     what = f"{stream.name} copy of {tuple(s.shape)} {s.dtype}"
                     # A blocking copy's host side is the host's own memory (pageable or pinned),
                     # ordered by the host; only its device side is checked.
-                    if not (blocking and stream is self.h2d):
+                    if not (blocking and stream is not self.d2h):
                         self._check_copy(stream.lane, n, s, False, what)
                     if not (blocking and stream is self.d2h):
                         self._check_copy(stream.lane, n, d, True, what)
@@ -942,7 +943,7 @@ class SimulatedDevice:
         return on_device(self.cuda, self.index)
 
     def drain(self) -> None:
-        for s in (self.d2h, self.h2d):
+        for s in (self.d2h, self.h2d, self.h2d_now):
             self.host_wait(self.record(s))
 
     def synchronize(self) -> None:
@@ -975,3 +976,4 @@ class SimulatedDevice:
         self.closed = True
         self.d2h.stop()
         self.h2d.stop()
+        self.h2d_now.stop()

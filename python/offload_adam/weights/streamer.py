@@ -88,6 +88,7 @@ class _Slot:
     own: int | None = None  # the block this slot is reserved for, if any
     block: int | None = None  # the block loaded (or being loaded) into it
     free_event: Any = None  # compute-stream event after the last use of its previous block
+    copy_event: Any = None  # the last copy into it (demand loads and prefetches use two streams)
     views: dict[int, list[Tensor]] = field(default_factory=dict)  # block -> its parameters in this slot
     typed: dict[torch.dtype, Tensor] = field(default_factory=dict)  # the slot seen as each dtype
 
@@ -117,6 +118,21 @@ class _Token:
     dtype: torch.dtype
     size: tuple[int, ...]
     stride: tuple[int, ...]
+    versions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _Cast:
+    """A saved tensor that is (a view of) a cast of a streamed parameter (autocast's: F.linear
+    under torch.autocast saves the bf16 copy of an fp32 weight): cast again from the slot when
+    unpacked, instead of holding the copy on the device until the backward."""
+
+    block: int
+    entry: int  # the parameter's place in its block
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements from the cast's start
     versions: tuple[int, ...]
 
 
@@ -210,6 +226,10 @@ class Streamer:
         # its module's hooks (transformers checkpoints `forward`, not `__call__`) is seen there.
         self.member: dict[int, int] = {id(c): b for b in streamed for m in blocks[b].modules for c in m.modules()}
         self.param_block: dict[int, int] = {id(e.param): b for b in streamed for e in blocks[b].entries}
+        self.param_entry: dict[int, tuple[int, int]] = {
+            id(e.param): (b, k) for b in streamed for k, e in enumerate(blocks[b].entries)
+        }
+        self.cache_state: dict[int, list[bool]] = {}  # id(module) -> autocast cache flags to restore
         self.readers: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
         self.reading: dict[int, list[int]] = {}  # id(module) -> blocks activated for its reads, this pass
         self.pushed: dict[int, int] = {}  # id(module) -> saved-tensor hooks it pushed (to pop after it)
@@ -287,10 +307,12 @@ class Streamer:
         self._index_slots()
         return slot
 
-    def _load(self, b: int, g: int, last: int, slot: _Slot | None = None) -> _Loaded:
-        """Queues the copy of block ``b`` into a slot (after that slot's last use), once its host
-        copies are not being written (an optimizer's step)."""
+    def _load(self, b: int, g: int, last: int, slot: _Slot | None = None, now: bool = False) -> _Loaded:
+        """Queues the copy of block ``b`` into a slot (after that slot's last use, and its last
+        copy), once its host copies are not being written (an optimizer's step). ``now``: needed
+        at once (not a prefetch): on the device's priority stream, never behind a prefetch."""
         dev = self.device
+        stream = dev.h2d_now if now else dev.h2d
         if slot is None:
             slot = self._free_slot(b) or self._evict_for(b)
         blk = self.blocks[b]
@@ -301,11 +323,13 @@ class Streamer:
         except BaseException:
             self._fault()
             raise
-        dev.stream_waits(dev.h2d, slot.free_event)
-        e0 = dev.record(dev.h2d, timing=True)
+        dev.stream_waits(stream, slot.free_event)
+        dev.stream_waits(stream, slot.copy_event)  # (a copy of a block dropped, maybe on the other stream)
+        e0 = dev.record(stream, timing=True)
         with torch.profiler.record_function("offload_adam.weights_h2d"):
-            dev.copy([(slot.buf[: blk.nbytes], host[: blk.nbytes])], dev.h2d)
-        e1 = dev.record(dev.h2d, timing=True)
+            dev.copy([(slot.buf[: blk.nbytes], host[: blk.nbytes])], stream)
+        e1 = dev.record(stream, timing=True)
+        slot.copy_event = e1
         self.source.done(blk, e1)
         self._copies.append((e0, e1))
         self.stats["h2d_bytes"] += blk.nbytes
@@ -396,11 +420,11 @@ class Streamer:
                 if ld is not None and b not in self.active:
                     self.loaded.pop(b).slot.block = None
                 if b not in self.loaded:  # not prefetched (prefetch 0, or no slot was free)
-                    ld = self._load(b, g, self._abs(self.inst[j][2]))
+                    ld = self._load(b, g, self._abs(self.inst[j][2]), now=True)
                 ld = self.loaded[b]
         elif ld is None:
             self.stats["on_demand"] += 1
-            ld = self._load(b, -1, -1)
+            ld = self._load(b, -1, -1, now=True)
         if b not in self.active:
             dev = self.device
             e0 = dev.record_current(timing=True)
@@ -524,12 +548,15 @@ class Streamer:
                 es = t.element_size()
                 off = t.data_ptr() - slot.buf.data_ptr()
                 return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s._versions(b))
+            cast = s._cast_of(t) if s is not None else None
+            if cast is not None:
+                return cast
             if outer is not None:
                 return _Outer(outer[0](t), outer[1])
             return t
 
         def unpack(x: Any) -> Tensor:
-            if isinstance(x, _Token):
+            if isinstance(x, (_Token, _Cast)):
                 s = me()
                 if s is None:
                     raise RuntimeError("offload_adam: the weights' streamer is gone (offload closed?) before the backward")
@@ -540,7 +567,21 @@ class Streamer:
 
         torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
-    def _unpack(self, tok: _Token) -> Tensor:
+    def _cast_of(self, t: Tensor) -> _Cast | None:
+        """``t`` as a cast of a running block's parameter (a view of ``p.to(dtype)``), or None."""
+        base = t._base if t._base is not None else t
+        fn = base.grad_fn
+        if fn is None or fn.name() != "ToCopyBackward0" or not base.is_contiguous():
+            return None
+        nxt = fn.next_functions
+        var = getattr(nxt[0][0], "variable", None) if nxt and nxt[0][0] is not None else None
+        where = self.param_entry.get(id(var)) if var is not None else None
+        if where is None or where[0] not in self.active or base.shape != var.shape:
+            return None
+        b, k = where
+        return _Cast(b, k, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), self._versions(b))
+
+    def _unpack(self, tok: _Token | _Cast) -> Tensor:
         if tok.versions != self._versions(tok.block):
             raise RuntimeError(
                 f"offload_adam: the weights of block {self.blocks[tok.block].name} were written (an optimizer step) "
@@ -548,6 +589,9 @@ class Streamer:
             )
         self._bwd_activate(tok.block)
         slot = self.loaded[tok.block].slot
+        if isinstance(tok, _Cast):
+            cast = self._views(slot, tok.block)[tok.entry].to(tok.dtype)
+            return torch.as_strided(cast, tok.size, tok.stride, tok.offset)
         return torch.as_strided(slot.as_dtype(tok.dtype), tok.size, tok.stride, tok.offset)
 
     # -- the schedule's subscriber interface ----------------------------------------------------
@@ -557,6 +601,12 @@ class Streamer:
             self.started[id(module)] = len(self.seen)
         b = self.trigger.get(id(module))
         if b is not None:
+            # autocast's cast cache keeps a copy of each fp32 weight it casts (keyed by the
+            # parameter, which stays the same object) until the outermost autocast exits: the
+            # whole model on the device. Off while a streamed block runs; a cast saved for the
+            # backward is cast again from the slot then (_Cast).
+            self.cache_state.setdefault(id(module), []).append(torch.is_autocast_cache_enabled())
+            torch.set_autocast_cache_enabled(False)
             if _in_backward():
                 self._bwd_activate(b)  # a checkpointed block, recomputed
             else:
@@ -584,6 +634,11 @@ class Streamer:
                 self.deactivate(c)
         b = self.trigger.get(id(module))
         if b is not None:
+            flags = self.cache_state.get(id(module))
+            if flags:
+                torch.set_autocast_cache_enabled(flags.pop())
+                if not flags:
+                    del self.cache_state[id(module)]
             n = self.pushed.get(id(module), 0)
             if n:
                 torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -639,7 +694,7 @@ class Streamer:
         """(seconds the copies took, seconds compute waited for them) since the last reset;
         waits for the copies in flight."""
         dev = self.device
-        for _, e in self._copies[-1:]:
+        for _, e in self._copies:  # (on two streams: the last queued is not the last to run)
             dev.host_wait(e)
         t0 = time.perf_counter()
         self._fold()

@@ -188,7 +188,7 @@ class CudaDevice:
             self.h2d = torch.cuda.Stream(device)
             # A copy needed now must not queue behind a prefetch that waits for the compute to
             # free its slot: a stream of its own, scheduled first when both have copies ready.
-            lo, hi = torch.cuda.Stream.priority_range()
+            lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # (a static method)
             self.h2d_now = torch.cuda.Stream(device, priority=min(lo, hi))
         self._cudart = torch.cuda.cudart()
 

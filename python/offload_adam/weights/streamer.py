@@ -575,7 +575,9 @@ class Streamer:
             return None
         nxt = fn.next_functions
         var = getattr(nxt[0][0], "variable", None) if nxt and nxt[0][0] is not None else None
-        where = self.param_entry.get(id(var)) if var is not None else None
+        if var is None:
+            return None
+        where = self.param_entry.get(id(var))
         if where is None or where[0] not in self.active or base.shape != var.shape:
             return None
         b, k = where

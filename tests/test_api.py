@@ -56,6 +56,7 @@ def test_signature_and_defaults_match_torch(ours: type, ref: type) -> None:
         ({"offload": "nvme"}, "offload=\"nvme\" needs nvme_dir"),
         ({"nvme_dir": "/tmp"}, "nvme_dir is only used with offload=\"nvme\""),
         ({"host_budget_gb": -1}, "host_budget_gb must be"),
+        ({"host_budget_gb": 8}, 'host_budget_gb is only used with offload="nvme"'),
         ({"nvme_read_ahead": -1}, "nvme_read_ahead must be"),
         ({"num_threads": 0}, "num_threads must be an int >= 1"),
     ],
@@ -63,6 +64,20 @@ def test_signature_and_defaults_match_torch(ours: type, ref: type) -> None:
 def test_invalid_arguments_raise_like_torch(kw: dict[str, Any], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         AdamW(make_params(), **kw)
+
+
+@pytest.mark.parametrize("kw", [{"free_gradients": True}, {"async_step": True}])
+def test_gpu_only_options_on_cpu_parameters_warn_that_they_change_nothing(kw: dict[str, Any]) -> None:
+    """These used to pass silently: on CPU parameters the step reads .grad in place, in step()."""
+    with pytest.warns(UserWarning, match="every parameter here is on the CPU.*change nothing"):
+        AdamW(make_params(), **kw)
+
+
+def test_a_failed_pin_names_its_likely_causes() -> None:
+    from offload_adam.runtime.device import pin_error
+
+    msg = str(pin_error(3 << 30, 2))
+    assert "3221225472 bytes (3 GiB)" in msg and "ulimit -l" in msg and "offload='nvme'" in msg and "CUDA error 2" in msg
 
 
 def test_harmless_torch_flags_are_accepted() -> None:

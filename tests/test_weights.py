@@ -190,9 +190,9 @@ def test_a_checkpoint_that_does_not_match_is_refused_before_anything_changes(tmp
     model = gpt2(torch.float32, layers=2)
     sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     for name, change, match in [
-        ("transformer.h.1.mlp.c_fc.weight", None, "has no tensor for parameter 'transformer.h.1.mlp.c_fc.weight'"),
-        ("transformer.h.0.ln_1.bias", lambda t: t[:-1], r"'transformer.h.0.ln_1.bias' is torch.float32 of shape \(63,\)"),
-        ("transformer.wpe.weight", lambda t: t.half(), r"'transformer.wpe.weight' is torch.float16 of shape"),
+        ("transformer.h.1.mlp.c_fc.weight", None, "missing tensor\\(s\\) for parameter\\(s\\): 'transformer.h.1.mlp.c_fc.weight'"),
+        ("transformer.h.0.ln_1.bias", lambda t: t[:-1], r"'transformer.h.0.ln_1.bias': the checkpoint has torch.float32 of shape \(63,\)"),
+        ("transformer.wpe.weight", lambda t: t.half(), r"'transformer.wpe.weight': the checkpoint has torch.float16 of shape"),
     ]:
         bad = dict(sd)
         if change is None:
@@ -478,3 +478,83 @@ def test_autocast_keeps_no_copy_of_a_streamed_weight(arch: str) -> None:
             assert watch.casts and watch.alive() == 0  # (inside the autocast region: its cache would hold them)
         assert torch.equal(got, want)
         h.close()
+
+
+# -- faults a new user meets (CUDA review, December, point 3) ------------------------------------------
+
+
+def test_close_after_a_corrupted_page_frees_everything_and_names_what_is_lost(nvme_dir: str) -> None:
+    """close() always frees the ring, the pinned staging, the files and the run directory; the
+    block whose page cannot be read back leaves its parameters on the meta device and one error
+    names them, after the cleanup; a second close() does nothing. The other weights come back
+    bitwise."""
+    model = llama(torch.float32)
+    ref = copy.deepcopy(model)
+    x = prompt()
+    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim, torch.no_grad():
+        h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir, prefetch=1)
+        model(x)
+        victim = h.blocks[3]
+        path = os.path.join(h.source.run.path, "weights.bin")
+        with open(path, "r+b") as f:
+            f.seek(h.source.offset[victim.index] + 100)
+            f.write(b"\x7f" * 8)
+        lost = [e.names[0] for e in victim.entries]
+        with pytest.raises(OSError, match=r"could not be read back .*corrupted.* left on the meta device: " + lost[0]):
+            h.close()
+        assert os.listdir(nvme_dir) == []  # the run directory went
+        gc.collect()
+        assert h.meter.current == 0  # the ring, the placeholders, the resident blocks
+        h.close()  # a no-op
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            if n in lost:
+                assert p.device.type == "meta", n
+            else:
+                assert p.device.type == "cpu" and torch.equal(p, q), n
+        assert not hasattr(model, "_offload_adam_weights")
+    assert sim.violations == []
+
+
+def test_a_checkpoint_saved_from_a_tied_model_loads_into_an_untied_empty_one(tmp_path: Any) -> None:
+    """With transformers 5, init_empty_weights() leaves GPT-2's head untied and save_pretrained
+    omits it; offload_weights ties the weights first (as accelerate's load_checkpoint_and_dispatch)."""
+    accelerate = pytest.importorskip("accelerate")
+    model = gpt2(torch.float32, 4)
+    x = prompt(4)
+    want = run(model, x)
+    model.save_pretrained(tmp_path / "ckpt")
+    with accelerate.init_empty_weights():
+        empty = type(model)(model.config).eval()  # no tie_weights() here
+    with testing.simulated_device(seed=4, max_delay_s=0.001):
+        h = offload_adam.offload_weights(empty, checkpoint=tmp_path / "ckpt", prefetch=1)
+        assert empty.lm_head.weight is empty.transformer.wte.weight
+        got = run(empty, x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        h.close()
+
+
+def test_every_problem_of_a_checkpoint_in_one_error(tmp_path: Any) -> None:
+    """As torch's strict load_state_dict: missing and unexpected tensors, shape and dtype
+    mismatches, all in one error; a dtype mismatch says how to fix it."""
+    from safetensors.torch import save_file
+
+    model = gpt2(torch.float32, layers=2)
+    sd = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    del sd["transformer.h.1.mlp.c_fc.weight"]
+    sd["transformer.h.0.ln_1.bias"] = sd["transformer.h.0.ln_1.bias"][:-1].contiguous()
+    sd["transformer.wpe.weight"] = sd["transformer.wpe.weight"].half()
+    sd["extra.weight"] = torch.zeros(3)
+    save_file(sd, str(tmp_path / "bad.safetensors"))
+    empty = _empty_like(model)
+    with testing.simulated_device(max_delay_s=0.0), pytest.raises(ValueError) as err:
+        offload_adam.offload_weights(empty, checkpoint=tmp_path / "bad.safetensors")
+    msg = str(err.value)
+    for part in [
+        "missing tensor(s) for parameter(s): 'transformer.h.1.mlp.c_fc.weight'",
+        "unexpected tensor(s), in no parameter or buffer of the model: 'extra.weight'",
+        "size mismatch for 'transformer.h.0.ln_1.bias': the checkpoint has torch.float32 of shape (63,)",
+        "dtype mismatch for 'transformer.wpe.weight': the checkpoint has torch.float16",
+        "build the empty model in that dtype",
+    ]:
+        assert part in msg, msg
+    assert all(p.device.type == "meta" for p in empty.parameters())  # nothing changed

@@ -396,3 +396,30 @@ def test_autocast_training_recasts_streamed_weights_in_the_backward() -> None:
         opt.close()
         h.close()
         assert sim.violations == []
+
+
+def test_the_context_manager_around_training_hands_the_trained_model_back() -> None:
+    """``with offload_weights(model) as h:`` around a training loop: its exit hands the model
+    back (the trained weights as ordinary host tensors, bitwise the resident training's) instead
+    of raising; the optimizer then refuses to step the released weights, and its state_dict()
+    still works."""
+    data = batches(4, 9)
+    with testing.simulated_device(seed=9, max_delay_s=0.001) as sim:
+        model = MODELS["gpt2"](torch.float32, 9)
+        ref = copy.deepcopy(model)
+        ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05)
+        train(ref, ropt, data)
+        with offload_adam.offload_weights(model, prefetch=1):
+            opt = offload_adam.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, async_step=True)
+            train(model, opt, data)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+            assert type(p.data) is torch.Tensor and p.device.type == "cpu" and torch.equal(p, q), n
+        sd, rsd = opt.state_dict(), ropt.state_dict()
+        for k, v in rsd["state"].items():
+            for key, t in v.items():
+                assert torch.equal(sd["state"][k][key], t), (k, key)
+        loss_of(model, data[0]).backward()
+        with pytest.raises(RuntimeError, match="handed back by their offload's close"):
+            opt.step()
+        opt.close()
+        assert sim.violations == []

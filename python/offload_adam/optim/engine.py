@@ -258,6 +258,13 @@ class Engine:
         self.synchronize()
         self.materialize()
         if self.streamed is not None:
+            for r in self.streamed.recs:
+                if r.home is not None and r.home.released:
+                    raise RuntimeError(
+                        f"{r.name}: its weights were handed back by their offload's close() (ordinary host tensors now); "
+                        "this optimizer wrote their streamed host copies and cannot step them: build a new optimizer "
+                        "over the model's parameters (load this one's state_dict() into it)"
+                    )
             # Checked before the CPU groups move, so that a refused step changes nothing; a
             # re-bound parameter's master is taken from its new storage below.
             self.streamed.check_params()

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import sys
+import warnings
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -345,6 +346,11 @@ class Adam(Optimizer):
             raise ValueError(f'nvme_dir is only used with offload="nvme", got offload={offload!r}')
         if not (isinstance(host_budget_gb, (int, float)) and host_budget_gb >= 0):
             raise ValueError(f"host_budget_gb must be a number >= 0, got {host_budget_gb!r}")
+        if offload != "nvme" and host_budget_gb:
+            raise ValueError(
+                f'host_budget_gb is only used with offload="nvme" (the state kept in RAM, the rest on the SSD), '
+                f"got offload={offload!r}: with offload='cpu' all of the state is in RAM"
+            )
         if isinstance(nvme_read_ahead, bool) or not isinstance(nvme_read_ahead, int) or nvme_read_ahead < 0:
             raise ValueError(f"nvme_read_ahead must be an int >= 0, got {nvme_read_ahead!r}")
         _native.simd_path()  # raises now if OFFLOAD_ADAM_SIMD names a path this CPU lacks
@@ -375,6 +381,14 @@ class Adam(Optimizer):
             decoupled_weight_decay=decoupled_weight_decay,
         )
         super().__init__(params, defaults)
+        eng = self._engine
+        if (free_gradients or async_step) and eng.streamed is None and not eng._deferred:
+            warnings.warn(
+                "offload_adam: free_gradients=True and async_step=True apply to parameters on a GPU (their gradients "
+                "copied to the host, the step overlapped with the next forward); every parameter here is on the CPU, "
+                "where the step reads .grad in place inside step(): they change nothing",
+                stacklevel=2,
+            )
         tier = self._engine.tier
         if isinstance(tier, NvmeTier):
             per_step = tier.bytes_per_step() // 2

@@ -8,7 +8,8 @@ runs on, and a fence. A client that rewrites the host copy (the optimizer's step
 while it writes (``begin_write``/``end_write``); the streamer copies a block to the device only
 once its homes are not being written, and copies again a block whose homes were written since
 (``version``); a host copy with a live ``writer`` is not read ahead across a backward (a step is
-to come, and would make the copy stale).
+to come, and would make the copy stale). When the streaming client hands the parameter back
+(``release``), the writer refuses to write it again.
 
 A parameter held by an optimizer of this package is *claimed*: offloading the weights of a
 claimed parameter is refused (the optimizer imported its storage).
@@ -34,6 +35,7 @@ class Home:
     version: int = 0
     writer: Any = None  # weak reference to the client that writes it
     ready: threading.Event = field(default_factory=threading.Event)
+    released: bool = False  # the streaming client let it go (its parameter is an ordinary tensor again)
 
     def __post_init__(self) -> None:
         self.ready.set()
@@ -44,6 +46,10 @@ class Home:
 
     def end_write(self) -> None:
         self.ready.set()
+
+    def release(self) -> None:
+        """The streaming client hands the parameter back: a writer must not step it again."""
+        self.released = True
 
     @property
     def written(self) -> bool:

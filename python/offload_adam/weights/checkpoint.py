@@ -70,22 +70,52 @@ class Checkpoint:
         self.io = _native.IoEngine()
         self._files: dict[str, int] = {}
 
-    def locate(self, blocks: list[Block]) -> dict[int, Located]:
+    def locate(self, blocks: list[Block], known: set[str]) -> dict[int, Located]:
         """Each parameter's tensor (by ``id``), checked: present under one of its names, with
-        its shape and dtype. Raises naming the first parameter that is not."""
+        its shape and dtype. ``known``: every name of the model's state (its parameters, tied
+        ones under each name, and its buffers). Raises one error listing every problem, as
+        torch's strict ``load_state_dict`` does: missing and unexpected tensors, shape and dtype
+        mismatches."""
         out: dict[int, Located] = {}
+        missing: list[str] = []
+        bad: list[str] = []
+        dtypes: set[tuple[Any, Any]] = set()
         for b in blocks:
             for e in b.entries:
                 hit = next((self.tensors[n] for n in e.names if n in self.tensors), None)
                 if hit is None:
-                    raise ValueError(f"checkpoint {self.path!r} has no tensor for parameter {e.names[0]!r}")
+                    missing.append(e.names[0])
+                    continue
                 p = e.param
-                if tuple(hit.entry.shape) != tuple(p.shape) or hit.entry.dtype != p.dtype:
-                    raise ValueError(
-                        f"checkpoint {self.path!r}: {hit.key!r} is {hit.entry.dtype} of shape {tuple(hit.entry.shape)}, "
-                        f"the model's parameter {e.names[0]!r} is {p.dtype} of shape {tuple(p.shape)}"
+                if tuple(hit.entry.shape) != tuple(p.shape):
+                    bad.append(
+                        f"size mismatch for {hit.key!r}: the checkpoint has {hit.entry.dtype} of shape "
+                        f"{tuple(hit.entry.shape)}, the model's parameter {e.names[0]!r} is {p.dtype} of shape {tuple(p.shape)}"
                     )
-                out[id(p)] = hit
+                elif hit.entry.dtype != p.dtype:
+                    bad.append(
+                        f"dtype mismatch for {hit.key!r}: the checkpoint has {hit.entry.dtype} of shape "
+                        f"{tuple(hit.entry.shape)}, the model's parameter {e.names[0]!r} is {p.dtype} of shape {tuple(p.shape)}"
+                    )
+                    dtypes.add((hit.entry.dtype, p.dtype))
+                else:
+                    out[id(p)] = hit
+        unexpected = sorted(k for k in self.tensors if k not in known)
+        if missing or unexpected or bad:
+            lines = []
+            if missing:
+                lines.append("missing tensor(s) for parameter(s): " + ", ".join(map(repr, missing)))
+            if unexpected:
+                lines.append("unexpected tensor(s), in no parameter or buffer of the model: " + ", ".join(map(repr, unexpected)))
+            lines += bad
+            if dtypes:
+                want = ", ".join(sorted({str(c) for c, _ in dtypes}))
+                lines.append(
+                    f"to load a checkpoint in {want}, build the empty model in that dtype (e.g. "
+                    f"`with init_empty_weights(): model = cls(config).to({want})`, or from_config(config, torch_dtype=...)): "
+                    "offload_weights does not convert"
+                )
+            raise ValueError(f"checkpoint {self.path!r} does not match the model:\n  " + "\n  ".join(lines))
         return out
 
     def _file(self, path: str) -> int:

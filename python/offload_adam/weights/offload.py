@@ -4,6 +4,7 @@ the device as far as ``gpu_budget_gb`` allows."""
 
 from __future__ import annotations
 
+import errno
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -98,6 +99,12 @@ def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
             raise ValueError(f"model: buffer {n} is on the meta device (build with init_empty_weights(include_buffers=False))")
 
 
+def _to_meta(p: torch.nn.Parameter) -> None:
+    """``p`` (the same object, for every module holding it) onto the meta device: its weights are
+    lost, and a read of it fails loudly."""
+    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
+
+
 def _bind(p: torch.nn.Parameter, data: Tensor) -> None:
     """Points ``p`` at ``data``; a parameter on the meta device (``init_empty_weights``) cannot
     take new data, so its contents are swapped for a parameter over ``data``: the object stays,
@@ -126,6 +133,11 @@ class WeightOffload:
         self.model = model
         self.device = device
         self.storage = storage
+        tie = getattr(model, "tie_weights", None)
+        if checkpoint is not None and callable(tie):
+            # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
+            # may come untied, and save_pretrained writes a tied parameter under one name only.
+            tie()
         self.blocks = find_blocks(model, blocks)
         self.meter = Meter()
         self.arena = PinnedArena(device)
@@ -136,7 +148,7 @@ class WeightOffload:
         streamed = [b.index for b in self.blocks if b.index not in self.resident]
         self.streamed = streamed
         ck = Checkpoint(checkpoint) if checkpoint is not None else None
-        where = ck.locate(self.blocks) if ck is not None else None
+        where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
         stream_blocks = [self.blocks[i] for i in streamed]
         if storage == "nvme":
             self.source: HostWeights | NvmeWeights = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, prefetch + 2)
@@ -248,38 +260,63 @@ class WeightOffload:
 
     def close(self) -> None:
         """Every parameter back on the host as an ordinary tensor equal to its current value,
-        buffers too; the device memory and the files freed."""
+        buffers too; the device memory, the pinned memory and the files freed, always (a second
+        call does nothing).
+
+        Weights an optimizer trains are handed back as they are (the last step's, bitwise): the
+        optimizer then refuses to step them (its ``state_dict()`` still works). A block whose
+        bytes cannot be read back (a corrupted NVMe page, an I/O error) leaves its parameters on
+        the meta device; once everything else is freed, one error names them."""
         if self.closed:
             return
-        for hs in self.homes.values():
-            if any(h.written for h in hs):
-                raise RuntimeError(
-                    "close(): an offload_adam optimizer trains these weights; close() the optimizer first "
-                    "(its step writes the host copies this offload would let go)"
-                )
-        for i in self.homes:
-            for e in self.blocks[i].entries:
-                set_home(e.param, None)
-        self.streamer.close()
-        # Every stream, the user's included: a forward under torch.cuda.stream(s) may still read
-        # the ring this frees (a cold path: one synchronize).
-        self.device.synchronize()
-        for b in self.blocks:
-            if b.index in self.resident:
-                for e in b.entries:
-                    e.param.data = self._to_host(e.param.detach())
-            else:
-                data = self.source.read(b)
+        self.closed = True
+        lost: list[tuple[str, BaseException]] = []
+        try:
+            for hs in self.homes.values():
+                for h in hs:
+                    h.ready.wait()  # an asynchronous step still writing it
+                    h.release()  # its writer may no longer step it
+            for i in self.homes:
+                for e in self.blocks[i].entries:
+                    set_home(e.param, None)
+            self.streamer.close()
+            # Every stream, the user's included: a forward under torch.cuda.stream(s) may still
+            # read the ring this frees (a cold path: one synchronize).
+            self.device.synchronize()
+            for b in self.blocks:
+                if b.index in self.resident:
+                    for e in b.entries:
+                        e.param.data = self._to_host(e.param.detach())
+                    continue
+                try:
+                    data = self.source.read(b)
+                except OSError as err:
+                    lost.append((b.name, err))
+                    for e in b.entries:
+                        _to_meta(e.param)
+                    continue
                 for e in b.entries:
                     e.param.data = e.view(data).clone()
-        for m in self.model.modules():
-            for name, buf in m._buffers.items():
-                if buf is not None:
-                    m._buffers[name] = self._to_host(buf)
-        self.source.close()
-        self.closed = True
-        if getattr(self.model, ATTR, None) is self:
-            delattr(self.model, ATTR)
+            for m in self.model.modules():
+                for name, buf in m._buffers.items():
+                    if buf is not None:
+                        m._buffers[name] = self._to_host(buf)
+        finally:
+            try:
+                self.source.close()
+            finally:
+                self.streamer.placeholders = self.placeholders = {}
+                if getattr(self.model, ATTR, None) is self:
+                    delattr(self.model, ATTR)
+        if lost:
+            names = [n for b in self.blocks for e in b.entries if e.param.device.type == "meta" for n in e.names[:1]]
+            first = lost[0][1]
+            raise OSError(
+                first.errno if isinstance(first, OSError) and first.errno else errno.EIO,
+                f"offload_adam: close(): the weights of {len(lost)} block(s) could not be read back "
+                f"({'; '.join(str(err) for _, err in lost)}); everything else was freed and handed back. "
+                f"These parameters are left on the meta device: {', '.join(names)}",
+            )
 
     def _to_host(self, t: Tensor) -> Tensor:
         out = torch.empty(t.shape, dtype=t.dtype)

@@ -56,6 +56,17 @@ class Device(Protocol):
         allocate through a :class:`~offload_adam.runtime.pinned.PinnedArena`."""
         ...
 
+    def host_empty(self, n: int, dtype: torch.dtype) -> Tensor:
+        """``n`` elements of host memory not yet touched (no page resident) nor pinned, to fill
+        and then :meth:`pin`: a buffer as large as a model is filled while the model's own
+        tensors are freed, so that the host never holds both (pinning zeroed memory first would)."""
+        ...
+
+    def pin(self, t: Tensor) -> None:
+        """Pins (registers) the whole storage of ``t``, a :meth:`host_empty` buffer: from then on
+        it is a :meth:`host_buffer` like any other."""
+        ...
+
     def staging(self, like: Tensor) -> Tensor:
         """A host tensor shaped like ``like``, for one asynchronous copy."""
         ...
@@ -196,19 +207,26 @@ class CudaDevice:
         # Pageable memory of exactly the size asked, then pinned: torch's pinned allocator rounds
         # every block up to a power of two.
         t = torch.zeros(n, dtype=dtype)
-        nbytes = t.untyped_storage().nbytes()
-        if nbytes:
-            # Under the buffer's device: a registration from a thread whose current device is 0
-            # would create a context on GPU 0 for a model on cuda:N.
-            with on_device(torch.cuda, self.torch_device):
-                rc = self._cudart.cudaHostRegister(t.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
-            if int(rc) != 0:
-                raise pin_error(nbytes, int(rc))
-            # On the storage, not this tensor: a client may keep only views of it.
-            weakref.finalize(
-                t.untyped_storage(), _drain_then_unregister, self._cudart, self.torch_device, t.data_ptr(), (self.d2h, self.h2d, self.h2d_now)
-            )
+        self.pin(t)
         return t
+
+    def host_empty(self, n: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(n, dtype=dtype)  # large: mmap'ed, no page resident until written
+
+    def pin(self, t: Tensor) -> None:
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        if not nbytes:
+            return
+        # Under the buffer's device: a registration from a thread whose current device is 0
+        # would create a context on GPU 0 for a model on cuda:N.
+        with on_device(torch.cuda, self.torch_device):
+            rc = self._cudart.cudaHostRegister(st.data_ptr(), nbytes, 1)  # cudaHostRegisterPortable
+        if int(rc) != 0:
+            raise pin_error(nbytes, int(rc))
+        # On the storage, not this tensor: a client may keep only views of it.
+        streams = (self.d2h, self.h2d, self.h2d_now)
+        weakref.finalize(st, _drain_then_unregister, self._cudart, self.torch_device, st.data_ptr(), streams)
 
     def staging(self, like: Tensor) -> Tensor:
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)

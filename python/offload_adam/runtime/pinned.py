@@ -40,19 +40,24 @@ class PinnedArena:
         """Bytes of this arena's allocations still alive."""
         return sum(self._live.values())
 
-    def alloc(self, n: int, dtype: torch.dtype, *, align: int = 64) -> Tensor:
+    def alloc(self, n: int, dtype: torch.dtype, *, align: int = 64, pin: bool = True) -> Tensor:
         """``n`` zeroed elements of pinned host memory starting on an ``align``-byte boundary
-        (4096 for O_DIRECT transfers; host memory is 64-byte aligned anyway)."""
+        (4096 for O_DIRECT transfers; host memory is 64-byte aligned anyway). ``pin=False``:
+        untouched memory, neither zeroed nor pinned, for the caller to fill and then :meth:`pin`."""
         es = torch.empty((), dtype=dtype).element_size()
         if align % es:
             raise ValueError(f"align {align} is not a multiple of the element size {es}")
         extra = align // es if align > 64 else 0
-        raw = self.device.host_buffer(n + extra, dtype)
+        raw = self.device.host_buffer(n + extra, dtype) if pin else self.device.host_empty(n + extra, dtype)
         skip = (-raw.data_ptr() % align) // es
         key = next(self._numbers)
         self._live[key] = raw.untyped_storage().nbytes()
         weakref.finalize(raw.untyped_storage(), self._live.pop, key, None)
         return raw[skip : skip + n]
+
+    def pin(self, t: Tensor) -> None:
+        """Pins an allocation made with ``pin=False`` (once filled)."""
+        self.device.pin(t)
 
 
 def align_up(n: int, a: int) -> int:

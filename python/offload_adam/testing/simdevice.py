@@ -219,6 +219,7 @@ class _HostAlloc:
     memory: Tensor | None  # the simulator's own reference: valid for copies after a release
     dead: bool = False
     nbytes: int = 0
+    pinned: bool = True  # host_empty memory is not, until pin()
 
 
 @dataclass(eq=False)
@@ -694,20 +695,33 @@ class SimulatedDevice:
         # The client's tensor does not own its memory: the simulator keeps it, so that a copy
         # queued before the client released it still finds valid memory (and records the
         # violation) instead of crashing; the release is seen when the client's storage dies.
+        t = self._host(n, dtype, zero=True)
+        self.pin(t)
+        return t
+
+    def host_empty(self, n: int, dtype: torch.dtype) -> Tensor:
+        return self._host(n, dtype, zero=False)
+
+    def _host(self, n: int, dtype: torch.dtype, zero: bool) -> Tensor:
         with self._host_section():
-            memory = torch.zeros(n, dtype=dtype)
+            memory = torch.zeros(n, dtype=dtype) if zero else torch.empty(n, dtype=dtype)
             nbytes = memory.untyped_storage().nbytes()
             raw = (ctypes.c_char * max(nbytes, 1)).from_address(memory.data_ptr())
             t = torch.frombuffer(raw, dtype=torch.uint8)[:nbytes].view(dtype)
-        if nbytes:
-            with on_device(self.cuda, self.index):
-                self.cuda.register()
-            self.counts["registrations"] += 1
-        alloc = _HostAlloc(memory, nbytes=nbytes)
+        alloc = _HostAlloc(memory, nbytes=nbytes, pinned=False)
         ptr = t.untyped_storage().data_ptr()
         self._hosts[ptr] = alloc
         weakref.finalize(t.untyped_storage(), self._release, alloc, ptr)
         return t
+
+    def pin(self, t: Tensor) -> None:
+        alloc = self._alloc_of(t)
+        assert alloc is not None and not alloc.pinned, "pin() takes a host_empty buffer, once"
+        if alloc.nbytes:
+            with on_device(self.cuda, self.index):
+                self.cuda.register()
+            self.counts["registrations"] += 1
+        alloc.pinned = True
 
     def _release(self, alloc: _HostAlloc, ptr: int) -> None:
         if self.release_waits and not _local.stream_thread:
@@ -762,7 +776,7 @@ class SimulatedDevice:
         if not blocking:
             for (d, s), (dr, sr) in zip(pairs, items):
                 host_side = dr if stream is self.d2h else sr
-                if host_side.alloc is None:
+                if host_side.alloc is None or not host_side.alloc.pinned:
                     self.counts["pageable_copies"] += 1
                     if self.strict:
                         side = "destination" if stream is self.d2h else "source"

@@ -157,6 +157,7 @@ class WeightOffload:
         self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
         try:
             self._fill(ck, where, buffers)
+            self.source.pin()
         except BaseException:
             self.source.close()
             raise
@@ -185,8 +186,9 @@ class WeightOffload:
     def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]]) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
         the model's own tensors or the checkpoint, block by block; each block's host tensors
-        are freed once it is stored (its parameters then point to their placeholders), so the
-        host holds the model at most once."""
+        are freed once it is stored (its parameters then point to their placeholders), and the
+        storage's memory is touched only as it is filled (pinned after), so the host holds the
+        model at most once, plus a block."""
         dev = self.device
         for b in self.blocks:
             resident = b.index in self.resident

@@ -40,7 +40,14 @@ class HostWeights:
         for b in blocks:
             self.offset[b.index] = total
             total = _align(total + b.nbytes, TENSOR_ALIGN)
-        self.buf = arena.alloc(total, torch.uint8)
+        # Untouched until filled, pinned after (pin()): the fill frees the model's tensors block
+        # by block, so the host never holds the model twice, nor zeroes what it is about to fill.
+        self.arena = arena
+        self.buf = arena.alloc(total, torch.uint8, pin=False)
+
+    def pin(self) -> None:
+        """Every block filled: the buffer is pinned (copies from it are asynchronous)."""
+        self.arena.pin(self.buf)
 
     def view(self, b: Block) -> Tensor:
         o = self.offset[b.index]
@@ -146,6 +153,9 @@ class NvmeWeights:
             self.stats["io_wait_s"] += time.perf_counter() - t0
             s.block = None
         self.stats["write_bytes"] += n
+
+    def pin(self) -> None:
+        pass  # the staging slots are pinned already
 
     def read(self, b: Block) -> Tensor:
         """``b``'s bytes, read now (``close``: back to ordinary tensors)."""

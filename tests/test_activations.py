@@ -436,3 +436,31 @@ def test_copies_needed_now_do_not_queue_behind_a_stalled_prefetch() -> None:
         ao.close()
         h.close()
     assert sim.violations == []
+
+
+def test_smaller_items_a_tensor_of_another_device_warns_and_graph_capture_is_refused() -> None:
+    """Finding 14: a handle made for the current device keeps (does not offload) what another
+    device of the same kind saves: it says so, once, with the device to pass; under a CUDA graph
+    capture the weights' and the activations' hooks refuse to run (their copies are issued from
+    the host at each call, so a replay would skip them)."""
+    with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
+        ao = offload_adam.offload_activations(min_bytes=0)
+        sim.torch_device = torch.device("cpu", 1)  # the handle's device is another CPU "index"
+        with pytest.warns(UserWarning, match=r"saved on cpu is kept there.*pass device='cpu'"):
+            with ao:
+                (torch.randn(64, 64, requires_grad=True) * 2).exp().sum().backward()
+        sim.torch_device = torch.device("cpu")
+        assert ao.report()["offloaded_tensors"] == 0
+        sim.graph_capture = True
+        with pytest.raises(RuntimeError, match="offload_activations cannot run inside a CUDA graph capture"):
+            with ao:
+                (torch.randn(64, 64, requires_grad=True) * 2).exp().sum()
+        m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
+        sim.graph_capture = False
+        h = offload_adam.offload_weights(m)
+        sim.graph_capture = True
+        with pytest.raises(RuntimeError, match="offload_weights cannot run inside a CUDA graph capture"):
+            m(torch.randn(2, 8))
+        sim.graph_capture = False
+        h.close()
+        ao.close()

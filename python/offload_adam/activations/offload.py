@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from dataclasses import dataclass, fields
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.device import Device, Meter, stream_device
+from ..runtime.device import Device, Meter, refuse_capture, stream_device
 from ..runtime.pager import ALIGN, RunDir
 from ..runtime.pinned import FreeList, Region, align_up, slab_pool
 
@@ -133,6 +134,7 @@ class ActivationOffload:
         self.inflight_bytes = 0
         self.stalls: list[tuple[Any, Any]] = []  # (before, after) of compute waits not yet folded
         self.stats = _Stats()
+        self._warned = False  # a tensor of another device of the same kind was kept (warned once)
         self._hooks: list[Any] = []  # saved_tensors_hooks contexts entered, innermost last
         for m in modules:
             if not isinstance(m, torch.nn.Module):
@@ -182,7 +184,14 @@ class ActivationOffload:
 
     def _keep(self, t: Tensor) -> bool:
         if t.device != self.device.torch_device or t.layout != torch.strided:
-            return True  # a host tensor already, or no plain storage to copy
+            if t.device.type == self.device.torch_device.type and t.device != self.device.torch_device and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"offload_activations: a tensor saved on {t.device} is kept there: this handle offloads "
+                    f"{self.device.torch_device} (the current device when it was made); pass device={str(t.device)!r}",
+                    stacklevel=3,
+                )
+            return True  # a host tensor already, another device's, or no plain storage to copy
         if type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__:
             return True  # a wrapper subclass
         base = t._base if t._base is not None else t
@@ -199,6 +208,7 @@ class ActivationOffload:
         return t.untyped_storage().nbytes() < self.min_bytes
 
     def _pack(self, t: Tensor) -> Any:
+        refuse_capture(self.device, "offload_activations")
         if self._keep(t):
             self.stats.kept_bytes += t.numel() * t.element_size()
             self.stats.kept_tensors += 1

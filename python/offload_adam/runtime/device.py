@@ -115,6 +115,11 @@ class Device(Protocol):
         """Entered by a worker thread before it queues device work."""
         ...
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (host-driven copies and waits
+        cannot be captured)."""
+        ...
+
     def drain(self) -> None:
         """Blocks until everything queued on the side streams has completed."""
         ...
@@ -175,6 +180,16 @@ def _drain_then_unregister(cudart: Any, device: torch.device, ptr: int, streams:
             log.warning("offload_adam: cudaHostUnregister of a pinned buffer failed with CUDA error %d", int(rc))
     except Exception:  # interpreter shutdown: the CUDA context may already be gone
         pass
+
+
+def refuse_capture(dev: Device, who: str) -> None:
+    """Raises if the current stream is capturing a CUDA graph: ``who``'s copies and waits are
+    driven from the host, so a captured graph would replay none of them."""
+    if dev.capturing():
+        raise RuntimeError(
+            f"offload_adam: {who} cannot run inside a CUDA graph capture (its copies and waits are issued from the "
+            "host at each call, and a replay would skip them); capture only what is resident, or run eagerly"
+        )
 
 
 def pin_error(nbytes: int, code: int) -> RuntimeError:
@@ -282,6 +297,9 @@ class CudaDevice:
         # context on GPU 0 for a model on cuda:N.
         with on_device(torch.cuda, self.torch_device):
             yield
+
+    def capturing(self) -> bool:
+        return bool(torch.cuda.is_current_stream_capturing())
 
     def drain(self) -> None:
         with on_device(torch.cuda, self.torch_device):

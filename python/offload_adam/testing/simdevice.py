@@ -534,6 +534,7 @@ class SimulatedDevice:
         # Testing aid of the simulator itself: False models a release that does not wait for
         # queued copies (what CUDA's cudaHostUnregister does), to show that tests catch it.
         self.release_waits = True
+        self.graph_capture = False  # a CUDA graph capture on the current stream (capturing())
 
     # -- the compute streams ------------------------------------------------------------------
 
@@ -955,6 +956,10 @@ class SimulatedDevice:
 
     def thread_context(self) -> contextlib.AbstractContextManager[None]:
         return on_device(self.cuda, self.index)
+
+    def capturing(self) -> bool:
+        """Set ``self.graph_capture`` to model a CUDA graph capture on the current stream."""
+        return self.graph_capture
 
     def drain(self) -> None:
         for s in (self.d2h, self.h2d, self.h2d_now):

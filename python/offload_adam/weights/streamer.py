@@ -54,7 +54,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ..runtime.device import Device, Meter
+from ..runtime.device import Device, Meter, refuse_capture
 from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
 from .blocks import Block
@@ -603,6 +603,7 @@ class Streamer:
             self.started[id(module)] = len(self.seen)
         b = self.trigger.get(id(module))
         if b is not None:
+            refuse_capture(self.device, "offload_weights")
             # autocast's cast cache keeps a copy of each fp32 weight it casts (keyed by the
             # parameter, which stays the same object) until the outermost autocast exits: the
             # whole model on the device. Off while a streamed block runs; a cast saved for the

@@ -72,6 +72,98 @@ def test_an_allocation_is_released_only_after_the_copies_queued_on_it() -> None:
         assert sim.violations == [] and bool((dst == 3.0).all())
 
 
+# -- the simulator's checks, each shown catching a deliberately broken wait ------------------------
+
+
+@pytest.mark.parametrize("wait", [True, False])
+def test_the_simulator_sees_a_copy_into_memory_compute_may_still_read(wait: bool) -> None:
+    """Happens-before: the compute runs on the host, so it has always finished when the next copy
+    is queued; the simulator still flags a copy that overwrites memory an earlier compute
+    operation read, unless the copy's stream waited an event recorded after that operation."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        slot = sim.empty(64, torch.float32)
+        sim.stream_waits(sim.h2d, sim.record_current())
+        sim.copy([(slot, PinnedArena(sim).alloc(64, torch.float32))], sim.h2d)
+        sim.current_waits(sim.record(sim.h2d))
+        (slot * 2).sum()  # the compute reads the slot
+        if wait:
+            sim.stream_waits(sim.h2d, sim.record_current())
+        sim.copy([(slot, PinnedArena(sim).alloc(64, torch.float32))], sim.h2d)
+        sim.drain()
+    assert (sim.violations == []) == wait, sim.violations
+    if not wait:
+        assert "writes bytes 0-256 of device memory of 256 bytes" in sim.violations[0]
+        assert "last used by mul.Tensor (epoch" in sim.violations[0]
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_simulator_reuses_freed_memory_at_once_unless_held_for_another_stream(keep: bool) -> None:
+    """The caching allocator: memory freed goes to the next allocation of its stream at once;
+    a copy still writing it must have been declared (keep_until_done, record_stream)."""
+    with testing.simulated_device(max_delay_s=0.05) as sim:
+        buf = sim.empty(1024, torch.uint8)
+        src = PinnedArena(sim).alloc(1024, torch.uint8)  # (kept: its release would drain the streams)
+        sim.copy([(buf, src)], sim.h2d)
+        if keep:
+            sim.keep_until_done(buf, sim.h2d)
+        del buf
+        again = sim.empty(1024, torch.uint8)  # the next allocation of the compute stream
+        assert bool((again == 0xA5).all())  # poisoned, whatever it held
+        sim.drain()
+    assert (sim.violations == []) == keep, sim.violations
+    assert (sim.counters()["reuses"] == 1) != keep  # held: a fresh block instead
+
+
+@pytest.mark.parametrize("source", ["pinned", "pageable", "pageable-blocking"])
+def test_the_simulator_flags_an_asynchronous_copy_from_pageable_memory(source: str) -> None:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        dst = sim.empty(256, torch.float32)
+        src = PinnedArena(sim).alloc(256, torch.float32) if source == "pinned" else torch.ones(256)
+        sim.stream_waits(sim.h2d, sim.record_current())
+        if source == "pageable-blocking":
+            sim.copy_blocking([(dst, src)], sim.h2d)
+        else:
+            sim.copy([(dst, src)], sim.h2d)
+        sim.drain()
+    assert sim.counters()["pageable_copies"] == (source == "pageable")
+    assert (sim.violations == []) == (source != "pageable"), sim.violations
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_the_simulator_sees_work_for_device_1_touch_device_0(guarded: bool) -> None:
+    """torch.cuda.stream(s) left from a thread whose current device is 0 sets device 0 (a context
+    there); the runtime's on_stream puts the device guard first."""
+    import threading
+
+    from offload_adam.runtime.device import on_stream
+
+    with testing.simulated_device(max_delay_s=0.0, index=1) as sim:
+        def work() -> None:  # a fresh thread: its current device is 0
+            ctx = on_stream(sim.cuda, 1, sim.h2d) if guarded else sim.cuda.stream(sim.h2d)
+            with ctx:
+                pass
+
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        PinnedArena(sim).alloc(16, torch.float32)  # registered under device 1 by the device itself
+    assert (sim.violations == []) == guarded, sim.violations
+    if not guarded:
+        assert sim.violations == ["device 0: a context created by work for device 1 (leaving torch.cuda.stream: set_device of the stream current before): hundreds of MiB on GPU 0"]
+
+
+def test_the_simulator_counts_host_waits_on_compute_events_and_registrations() -> None:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        before = sim.counters()
+        sim.host_wait(sim.record(sim.h2d))  # no compute in it
+        sim.stream_waits(sim.d2h, sim.record_current())
+        sim.host_wait(sim.record(sim.d2h))  # follows the compute
+        PinnedArena(sim).alloc(16, torch.float32)
+        after = sim.counters()
+    assert after["host_waits_on_compute"] - before["host_waits_on_compute"] == 1
+    assert after["registrations"] - before["registrations"] == 1
+
+
 # -- the pager ----------------------------------------------------------------------------------
 
 

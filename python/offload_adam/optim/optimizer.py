@@ -2,9 +2,9 @@
 
 This module is torch's public surface only: arguments and their validation, param groups,
 ``state``, ``state_dict``/``load_state_dict``, hooks, copies. The state of each param group is a
-:class:`~offload_adam.state.GroupState` (flat host buffers; the entries of ``optimizer.state[p]``
+:class:`~offload_adam.optim.state.GroupState` (flat host buffers; the entries of ``optimizer.state[p]``
 are views into them, so ``state_dict()`` has torch's format), and one
-:class:`~offload_adam.engine.Engine` runs the steps. No math happens here.
+:class:`~offload_adam.optim.engine.Engine` runs the steps. No math happens here.
 """
 
 from __future__ import annotations
@@ -888,7 +888,7 @@ class Adam(Optimizer):
         """Writes the optimizer state to ``path/optimizer.safetensors`` (a directory, created if
         needed), bucket by bucket: RAM stays within the tier's window, whatever the state's size.
         The file is complete or absent: it is written under a temporary name, then renamed over
-        the previous one. Returns the file's path. See :mod:`offload_adam.checkpoint`."""
+        the previous one. Returns the file's path. See :mod:`offload_adam.optim.checkpoint`."""
         self.synchronize()
         self._take_over()
         os.makedirs(path, exist_ok=True)

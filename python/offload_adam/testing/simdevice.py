@@ -1,6 +1,6 @@
 """A simulated asynchronous device: CUDA stream semantics on the CPU, for tests.
 
-It implements the :class:`~offload_adam.device.Device` interface, so the engine runs unchanged
+It implements the :class:`~offload_adam.runtime.device.Device` interface, so the engine runs unchanged
 on CPU parameters ("device" tensors) and host buffers, with the hazards of a real GPU kept:
 
 * each side stream is a FIFO worker thread that runs its operations after a random, seeded

@@ -4,7 +4,7 @@ For a model of ``--params`` parameters (taken as tensors of ``--tensor-params`` 
 layout's per-tensor alignment is negligible at that size) and ``--world-size`` ranks, each
 configuration's bytes per rank on the GPU, in host memory and on NVMe, and the bytes it moves
 per step over PCIe and to the disk. The host bytes of our optimizer come from
-:func:`offload_adam.state.layout`, the computation the optimizer allocates its buffers from (a
+:func:`offload_adam.optim.state.layout`, the computation the optimizer allocates its buffers from (a
 test checks them against ``memory_report()`` of a real model); the rest (weights, gradients,
 FSDP2's shards) are the tensors' own sizes. With the weights streamed (``offload_weights``), the
 model is taken as ``--layers`` equal layers, and the device ring is sized by the code that

@@ -1,0 +1,108 @@
+"""The documentation stays true to the code: every dotted ``offload_adam.*`` name written in the
+docstrings and comments of the package, in ARCHITECTURE.md, README.md, CONTRIBUTING.md,
+examples/README.md and docs/ resolves to something the code has."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import io
+import re
+import tokenize
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import offload_adam
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = Path(offload_adam.__file__).resolve().parent
+NAME = re.compile(r"\boffload_adam(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _resolve(name: str) -> bool:
+    """Whether ``name`` is a module, or an attribute reached from the longest importable module."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[cut:]:
+                obj = getattr(obj, p)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def _recorded_names() -> set[str]:
+    """The names the package gives its ``torch.profiler.record_function`` ranges: dotted, but
+    not Python names (the docs name them for profiler traces)."""
+    names = set()
+    for f in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", getattr(node.func, "id", None)) == "record_function"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+            ):
+                names.add(node.args[0].value)
+    return names
+
+
+def _python_texts(f: Path) -> list[tuple[int, str]]:
+    """(line, text) of every docstring and comment of a source file."""
+    src = f.read_text()
+    out = []
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            doc = ast.get_docstring(node, clean=False)
+            if doc:
+                out.append((node.body[0].lineno, doc))
+    for tok in tokenize.generate_tokens(io.StringIO(src).readline):
+        if tok.type == tokenize.COMMENT:
+            out.append((tok.start[0], tok.string))
+    return out
+
+
+def _documents() -> list[Path]:
+    docs = [ROOT / "ARCHITECTURE.md", ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "examples" / "README.md"]
+    return [d for d in docs if d.exists()] + sorted((ROOT / "docs").rglob("*.md"))
+
+
+def test_every_dotted_name_in_docstrings_and_docs_resolves() -> None:
+    recorded = _recorded_names()
+    assert {"offload_adam.d2h", "offload_adam.h2d"} <= recorded  # the scan finds them
+    seen: dict[str, list[str]] = {}
+    for f in sorted(PKG.rglob("*.py")) + sorted((ROOT / "examples").glob("*.py")):
+        for line, text in _python_texts(f):
+            for m in NAME.finditer(text):
+                seen.setdefault(m.group(), []).append(f"{f.relative_to(ROOT)}:{line + text.count(chr(10), 0, m.start())}")
+    for d in _documents():
+        for i, text in enumerate(d.read_text().splitlines(), 1):
+            for m in NAME.finditer(text):
+                seen.setdefault(m.group(), []).append(f"{d.relative_to(ROOT)}:{i}")
+    assert len(seen) > 20  # the scan reads what it should
+    stale = {n: where for n, where in seen.items() if n not in recorded and not _resolve(n)}
+    assert not stale, "names that do not resolve (rename them in the text):\n" + "\n".join(
+        f"  {n}: {', '.join(w)}" for n, w in sorted(stale.items())
+    )
+
+
+@pytest.mark.parametrize(
+    "name, ok",
+    [
+        ("offload_adam.AdamW", True),
+        ("offload_adam.optim.state.layout", True),
+        ("offload_adam._native.io_backend", True),
+        ("offload_adam.state.layout", False),  # before the reorganisation
+        ("offload_adam.checkpoint", False),
+        ("offload_adam.AdamW.no_such_method", False),
+    ],
+)
+def test_the_resolver_tells_stale_names(name: str, ok: bool) -> None:
+    assert _resolve(name) is ok

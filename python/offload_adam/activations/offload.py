@@ -449,6 +449,7 @@ class ActivationOffload:
         return out
 
     def reset_stats(self) -> None:
+        """Starts the counters of ``report()`` afresh (the peak too, from what is held now)."""
         self.stats = _Stats()
         self.meter.peak = self.meter.current
 
@@ -484,21 +485,38 @@ def offload_activations(
     modules: Any = None,
     device: Any = None,
 ) -> ActivationOffload:
-    """Offloads what a forward saves for backward (see the module documentation).
+    """Offloads what a forward saves for backward to pinned host memory (or an SSD) and brings
+    it back ahead of the backward (the design: ``offload_adam.activations.offload``).
 
     ``with offload_activations(...) as ao: loss = model(x)``, then ``loss.backward()`` inside or
     outside the ``with``, then ``ao.report()``. With ``modules`` (a module or a list), only what
-    those modules' forwards save is offloaded, whenever they run, until ``close()``.
+    those modules' forwards save is offloaded, whenever they run, until ``close()``. Each
+    offloaded byte crosses PCIe twice per step: use it when activations, not weights, fill the
+    GPU (long sequences, large batches).
+
+    For example::
+
+        with offload_adam.offload_activations() as ao:
+            loss = model(x)
+        loss.backward()
+        print(ao.report())
 
     Args:
-        min_bytes: storages smaller than this stay on the device.
-        prefetch: storages copied back ahead of the one the backward needs.
-        storage: ``"cpu"`` (pinned host memory) or ``"nvme"`` (written under ``nvme_dir`` behind
-            the forward, read back during the backward).
-        nvme_dir: the directory (on an SSD) of ``storage="nvme"``.
-        modules: restrict the offload to what these modules save.
-        device: the CUDA device of the activations (default: the current one; inside
+        min_bytes: storages smaller than this many bytes stay on the device (default: 1 MiB,
+            ``1 << 20``).
+        prefetch: storages copied back ahead of the one the backward needs (default: 2).
+        storage: ``"cpu"`` (pinned host memory; the default) or ``"nvme"`` (written under
+            ``nvme_dir`` behind the forward, read back during the backward).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
+            (default: None).
+        modules: restrict the offload to what these modules save (default: None, everything
+            the forward inside the ``with`` saves).
+        device: the CUDA device of the activations (default: None, the current one; inside
             ``offload_adam.testing.simulated_device()``, the simulated device).
+
+    Returns:
+        The ``ActivationOffload`` handle (a context manager; ``report()``, ``reset_stats()``,
+        ``close()``).
     """
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an integer >= 0, got {min_bytes!r}")

@@ -177,3 +177,45 @@ def test_help_of_adamw_shows_every_argument() -> None:
         assert arg in text
     assert "default: 1e-2" in text and "decoupled_weight_decay" not in _args_section(offload_adam.AdamW.__doc__ or "")
     assert "decoupled_weight_decay" in _args_section(offload_adam.Adam.__doc__ or "")
+
+
+# -- the README is a portal ----------------------------------------------------------------------
+
+
+def test_readme_is_a_portal_in_the_agreed_order() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 15 * 1024
+    heads = [line[3:] for line in text.splitlines() if line.startswith("## ")]
+    assert heads == ["Install", "Quickstart", "Which offload do I need?", "Figures", "Examples", "Limits", "Documentation", "License"]
+    intro = text[: text.index("## Install")]
+    assert "Nothing has run on a GPU yet" in intro  # the status, on the first screen
+    install = text[text.index("## Install") : text.index("## Quickstart")]
+    assert "pip install ." in install and "pip install dist/offload_adam-*.whl" in install
+    assert "make demo" in install and "make test" in install and "3.10" in install and "2.15.0" in install
+    assert text.count("```python") == 3  # the three quickstart snippets
+    assert "python -m offload_adam plan" in text
+    # every relative link points at a file of the repository
+    for target in re.findall(r"\]\(([^)#:]+)\)", text):
+        assert (ROOT / target).exists(), target
+
+
+def test_readme_planner_figures_are_the_planners(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The README quotes the planner's 13B recommendation: it must stay what the planner prints."""
+    from offload_adam.tools.plan import main
+
+    monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))  # the default bandwidths
+    text = " ".join((ROOT / "README.md").read_text().split())
+    case = ["--params", "13B", "--gpu-gb", "24", "--host-gb", "64", "--nvme-gb", "1000"]
+    main(case)
+    rec = capsys.readouterr().out.split("Recommended")[1]
+    host = float(re.search(r"host ([\d.]+) GiB", rec).group(1))  # type: ignore[union-attr]
+    nvme = float(re.search(r"NVMe ([\d.]+) GiB", rec).group(1))  # type: ignore[union-attr]
+    secs = float(re.search(r"at least ([\d.]+) s per step", rec).group(1))  # type: ignore[union-attr]
+    tb = float(re.search(r"([\d.]+) TB written", rec).group(1))  # type: ignore[union-attr]
+    assert "bf16 moments" in rec and "Kahan" in rec and "bound by the SSD" in rec
+    assert f"({host:.0f} GiB of RAM, {nvme:.0f} GiB on the SSD, at least {secs:.0f} s per step bound by a 3 GB/s SSD, {tb:.0f} TB written per 1000 steps)" in text
+    main([*case, "--inference"])
+    rec = capsys.readouterr().out.split("Recommended")[1]
+    budget = re.search(r"gpu_budget_gb=(\S+),", rec).group(1)  # type: ignore[union-attr]
+    rate = float(re.search(r"at most ([\d.]+) tokens/s", rec).group(1))  # type: ignore[union-attr]
+    assert f"`gpu_budget_gb={budget}`: at most about {rate:.1f} tokens/s" in text

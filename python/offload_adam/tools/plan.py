@@ -349,7 +349,7 @@ def code(c: Config) -> str:
     return "\n".join(
         [
             "with accelerate.init_empty_weights():   # no RAM for a second copy while loading",
-            "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), torch_dtype=torch.bfloat16)",
+            "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), dtype=torch.bfloat16)",
             "model.tie_weights()",
             "h = offload_adam.offload_weights(model, checkpoint=DIR)   # first: weights to pinned RAM, streamed to the GPU",
             f"opt = offload_adam.AdamW(model.parameters(), lr=1e-5, free_gradients=True{nvme}{extra})",
@@ -525,7 +525,7 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     print("  code:")
     for line in (
         "with accelerate.init_empty_weights():   # no RAM for a second copy while loading",
-        f"    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), torch_dtype=torch.{args.dtype})",
+        f"    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), dtype=torch.{args.dtype})",
         "model.tie_weights()",
         f"h = offload_adam.offload_weights(model, checkpoint=DIR, gpu_budget_gb={b:g}{kw})",
         "tok = AutoTokenizer.from_pretrained(DIR)",

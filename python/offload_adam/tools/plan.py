@@ -372,7 +372,7 @@ def _numerics(c: Config) -> str:
     return ", ".join(parts) + ": close to torch's AdamW, not bitwise (see the compact-state guide)"
 
 
-def _describe(c: Config, t: Timing, args: argparse.Namespace, status: str) -> list[str]:
+def _describe(c: Config, t: Timing, args: argparse.Namespace) -> list[str]:
     host_free = args.host_gb * GB - c.host
     lines = [
         f"  per rank: GPU {c.gpu / GB:.1f} GiB of {args.gpu_gb:g} ({max(args.gpu_gb * GB - c.gpu, 0) / GB:.1f} left for activations), "
@@ -416,7 +416,7 @@ def train(args: argparse.Namespace, r: Rates) -> None:
     for c in cfgs:
         _, status = verdict(c, args.gpu_gb, args.host_gb, args.nvme_gb)
         print(f"\n{c.name}: {status}")
-        for line in _describe(c, timing(c, r, **when), args, status):
+        for line in _describe(c, timing(c, r, **when), args):
             print(line)
 
     # The recommendation: over the moments' and masters' dtypes the user left open, the best
@@ -444,7 +444,7 @@ def train(args: argparse.Namespace, r: Rates) -> None:
     print(f"\nRecommended ({status}): {pick.name}")
     if pick.kind not in ("gpu", "fsdp_gpu"):
         print(f"  state: {_numerics(pick)}")
-    for line in _describe(pick, t, args, status)[:3]:
+    for line in _describe(pick, t, args)[:3]:
         print(line)
     if pick.kind in ("stream", "stream_nvme") and 2 * pick.weights > args.host_gb * GB:
         print(

@@ -219,3 +219,17 @@ def test_readme_planner_figures_are_the_planners(capsys: pytest.CaptureFixture[s
     budget = re.search(r"gpu_budget_gb=(\S+),", rec).group(1)  # type: ignore[union-attr]
     rate = float(re.search(r"at most ([\d.]+) tokens/s", rec).group(1))  # type: ignore[union-attr]
     assert f"`gpu_budget_gb={budget}`: at most about {rate:.1f} tokens/s" in text
+
+
+def test_the_planner_page_shows_what_the_planner_prints(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """docs/plan.md quotes whole runs of the planner (``$ python -m offload_adam plan ...`` and
+    its output, in a code block): each must be what this version prints."""
+    from offload_adam.tools.plan import main
+
+    monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))  # the default bandwidths, as the page says
+    page = (ROOT / "docs" / "plan.md").read_text()
+    runs = re.findall(r"```\n\$ python -m offload_adam plan ([^\n]*)\n(.*?)\n```", page, re.S)
+    assert len(runs) == 2
+    for args, shown in runs:
+        main(args.split())
+        assert capsys.readouterr().out.rstrip("\n") == shown, args

@@ -2,13 +2,14 @@
 #   make demo   creates .venv, builds and installs offload_adam (release), runs the main job
 #               (DEMO_ARGS="--offload nvme --nvme-dir DIR" puts its optimizer state on an SSD)
 #   make test   same set-up, then cargo test and pytest
-#   (make generate runs examples/generate.py: weights streamed to the GPU while a model generates)
+#   (make generate runs examples/generate.py: weights streamed to the GPU while a model generates;
+#    make docs builds the documentation site into site/; CONTRIBUTING.md lists every target)
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install bench asv wheel lint clean generate
+.PHONY: demo test install bench asv wheel lint clean generate docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,10 +48,17 @@ wheel: $(DEPS)
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/maturin build --release --zig --compatibility manylinux2014 --out dist
 	$(BIN)/python .ci/check_wheel.py
 
+# The documentation site (mkdocs-material; the API reference from the docstrings by mkdocstrings,
+# which imports the package: hence install). Strict by default: a broken link or a missing page
+# fails the build.
+DOCS_FLAGS ?= --strict
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build $(DOCS_FLAGS) --site-dir site
+
 lint: install
 	$(BIN)/python -m mypy python/offload_adam
 	cargo fmt --check
 	cargo clippy --features python --tests -- -D warnings
 
 clean:
-	rm -rf $(VENV) target dist asv_bench/.asv
+	rm -rf $(VENV) target dist site asv_bench/.asv

@@ -2,17 +2,20 @@
 GPU block by block: offload_adam.offload_weights.
 
 The model is built from a config (Llama-style, random weights: no download) or loaded from an HF
-folder (``--checkpoint DIR``: built empty with accelerate's init_empty_weights, the weights read
-from the safetensors files straight into their storage). The script offloads its weights,
-generates greedily from a random prompt, and prints what a person running a model larger than
-their GPU weighs: the VRAM peak, host and NVMe bytes, bytes moved host to device per token, time
-to first token and tokens/s, the bound those imply (host-to-device bandwidth / streamed bytes per
-token), and the same figures for the model resident when it fits. Without a GPU it runs through
-offload_adam's simulated device, and says so: its times are the CPU's.
+folder (--checkpoint DIR: built empty with accelerate's init_empty_weights, the weights read
+from the safetensors files straight into their storage). Where the folder has a tokenizer, the
+prompt is text (--prompt) and the output is printed as text; otherwise the prompt is --prompt-len
+random token ids. The script offloads the weights, generates greedily, and prints what a person
+running a model larger than their GPU weighs: the VRAM peak, host and NVMe bytes, bytes moved host
+to device per token, time to first token and tokens/s, the bound those imply (host-to-device
+bandwidth / streamed bytes per token), and the same figures for the model resident when it fits
+(with its tokens, which must be the same). Without a GPU it runs through offload_adam's simulated
+device, and says so: its times are then the CPU's, not a GPU's.
 
-    python examples/generate.py [--layers 8 --d-model 1024] [--checkpoint DIR] [--dtype bf16]
-        [--storage cpu|nvme --nvme-dir DIR] [--gpu-budget-gb X] [--prefetch K]
-        [--tokens 32 --prompt 64 --batch 1]
+examples:
+    python examples/generate.py                                    # a random 0.16B Llama, every block streamed
+    python examples/generate.py --checkpoint DIR --prompt "The capital of France is" --gpu-budget-gb 20
+    python examples/generate.py --storage nvme --nvme-dir /mnt/nvme/scratch --prefetch 2
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -29,6 +33,16 @@ import torch
 import offload_adam
 
 MiB = 1 << 20
+
+
+def tokenizer(args: argparse.Namespace) -> Any:
+    """The checkpoint folder's tokenizer, or None where it has none (or there is no folder)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    if not args.checkpoint or not any(os.path.exists(os.path.join(args.checkpoint, n)) for n in names):
+        return None
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(args.checkpoint)
 
 
 def build(args: argparse.Namespace) -> torch.nn.Module:
@@ -88,23 +102,31 @@ def generate(model: torch.nn.Module, x: torch.Tensor, tokens: int, cuda: bool) -
     return torch.cat(got, 1), ttft, rate
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--checkpoint", help="an HF folder (config.json and safetensors) to load instead of a random model")
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--d-model", type=int, default=1024)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    ap.add_argument("--storage", default="cpu", choices=["cpu", "nvme"])
-    ap.add_argument("--nvme-dir", help="--storage nvme: a directory on the SSD")
-    ap.add_argument("--gpu-budget-gb", type=float, default=None, help="GiB of GPU for the offload (default: stream everything)")
-    ap.add_argument("--prefetch", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--prompt", type=int, default=64, help="prompt length (random token ids)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-resident", action="store_true", help="skip the resident comparison")
+    ap = argparse.ArgumentParser(prog="python examples/generate.py", description=__doc__, formatter_class=_Help)
+    ap.add_argument("--checkpoint", metavar="DIR", help="an HF folder (config.json, safetensors, and a tokenizer if it has one) to load instead of a random model")
+    ap.add_argument("--layers", type=int, default=8, help="random model: decoder layers")
+    ap.add_argument("--d-model", type=int, default=1024, help="random model: hidden size (heads of 64, a quarter as many KV heads)")
+    ap.add_argument("--vocab", type=int, default=32000, help="random model: vocabulary size")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"], help="the weights' dtype")
+    ap.add_argument("--storage", default="cpu", choices=["cpu", "nvme"], help="offload_weights(storage=...): pinned host RAM or files on an SSD")
+    ap.add_argument("--nvme-dir", metavar="DIR", help="--storage nvme: an existing directory on the SSD")
+    ap.add_argument("--gpu-budget-gb", type=float, default=None, help="offload_weights(gpu_budget_gb=...): GiB of GPU for the offload; whole blocks stay resident as far as they fit (None: every block streamed)")
+    ap.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): blocks copied ahead of the one running")
+    ap.add_argument("--tokens", type=int, default=32, help="new tokens to generate (greedy, with the KV cache)")
+    ap.add_argument("--prompt", default=None, help="the prompt as text (needs the checkpoint's tokenizer; default with one: \"The capital of France is\")")
+    ap.add_argument("--prompt-len", type=int, default=64, help="without a tokenizer: the prompt's length in random token ids")
+    ap.add_argument("--batch", type=int, default=1, help="sequences generated together (the same prompt)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and the random prompt")
+    ap.add_argument("--no-resident", action="store_true", help="skip the comparison with the model resident on the device")
     args = ap.parse_args()
+    args.tokenizer = tokenizer(args)
+    if args.prompt is not None and args.tokenizer is None:
+        ap.error("--prompt: text needs a tokenizer, and this model has none (use --checkpoint DIR with a tokenizer, or --prompt-len N)")
     cuda = torch.cuda.is_available()
     with _device(cuda) as where:
         run(args, cuda, where)
@@ -124,19 +146,25 @@ def _device(cuda: bool) -> Iterator[str]:
 def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
     model = build(args)
     n = sum(p.numel() for p in model.parameters())
-    g = torch.Generator().manual_seed(args.seed + 1)
-    x = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=g)
+    tok = args.tokenizer
+    if tok is not None:
+        text = args.prompt if args.prompt is not None else "The capital of France is"
+        x = tok([text] * args.batch, return_tensors="pt").input_ids
+    else:
+        g = torch.Generator().manual_seed(args.seed + 1)
+        x = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt_len), generator=g)
     print(
         f"model: {type(model).__name__}, {n / 1e9:.3f}B parameters, {args.dtype}"
         + (f", from {args.checkpoint}" if args.checkpoint else ", random weights")
-        + f"; prompt {args.batch}x{args.prompt}, {args.tokens} new tokens; device: {where}"
+        + f"; prompt {args.batch}x{x.shape[1]} tokens" + (" (tokenized)" if tok is not None else " (random ids)")
+        + f", {args.tokens} new tokens; device: {where}"
     )
     resident: dict[str, Any] | None = None
-    if not args.no_resident and not args.checkpoint:
+    if not args.no_resident:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         fits = not cuda or weights < 0.8 * torch.cuda.mem_get_info()[0]
         if fits:
-            ref = copy.deepcopy(model)
+            ref = resident_copy(model, args)
             if cuda:
                 ref = ref.cuda()
                 torch.cuda.reset_peak_memory_stats()
@@ -191,7 +219,20 @@ def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
         )
         if not same:
             raise SystemExit(1)
+    if tok is not None:
+        print(f"output: {tok.decode(torch.cat([x[0], toks[0].cpu()]), skip_special_tokens=True)!r}")
     h.close()
+
+
+def resident_copy(model: torch.nn.Module, args: argparse.Namespace) -> torch.nn.Module:
+    """The same model with its weights in memory: a copy of the random one, or the checkpoint
+    read by transformers (the offloaded one is still empty)."""
+    if not args.checkpoint:
+        return copy.deepcopy(model)
+    import transformers
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    return transformers.AutoModelForCausalLM.from_pretrained(args.checkpoint, dtype=dtype).eval()
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The demo GPT trained with FSDP2 (``fully_shard``) and ``offload_adam.AdamW``.
+"""The demo GPT trained with FSDP2 (fully_shard) and offload_adam.AdamW.
 
     torchrun --nproc-per-node 2 examples/train_fsdp2.py                 # CPU, gloo
     torchrun --nproc-per-node 8 examples/train_fsdp2.py --cpu-offload   # GPUs, NCCL, CPUOffloadPolicy
@@ -7,9 +7,9 @@
 The same script runs multi-node (torchrun's --nnodes/--rdzv-endpoint). Each rank holds its shard
 of every parameter; FSDP2 all-gathers them for forward and backward and reduce-scatters the
 gradients; the optimizer steps each rank's local shard in place with the Rust kernel. With
-``--cpu-offload`` (``CPUOffloadPolicy``) the shards and their gradients live in pinned host
+--cpu-offload (CPUOffloadPolicy) the shards and their gradients live in pinned host
 memory, which is what makes a large model fit on few GPUs, and the CPU step is ours. On GPUs
-without ``--cpu-offload`` the shards stay on the GPU, and the optimizer streams each rank's
+without --cpu-offload the shards stay on the GPU, and the optimizer streams each rank's
 gradient shard to the host during backward and the updated shard back (its state in host
 memory, as for any offloaded parameter).
 """
@@ -33,15 +33,19 @@ from train_gpt import GPT, VOCAB, make_corpus, param_groups  # noqa: E402
 import offload_adam  # noqa: E402
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=100)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--steps", type=int, default=100, help="optimizer steps")
     ap.add_argument("--batch", type=int, default=32, help="global batch, split over the ranks")
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--ctx", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    ap.add_argument("--d-model", type=int, default=128, help="hidden size")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate")
     ap.add_argument("--cpu-offload", action="store_true", help="FSDP2's CPUOffloadPolicy (GPUs)")
     ap.add_argument("--bf16-moments", action="store_true", help="state_dtype=torch.bfloat16")
     args = ap.parse_args()

@@ -2,14 +2,14 @@
 
 Both optimizers train the same model from the same initialization on the same batches, in the
 same process, so the script can say whether the loss curves agree and how the optimizer step
-times compare. The data is made here: sentences of sums (``"17+5=22;"``) to learn by heart and by
+times compare. The data is made here: sentences of sums ("17+5=22;") to learn by heart and by
 rule, so nothing is downloaded.
 
 With CUDA the model trains on the GPU and offload_adam offloads the optimizer (state in pinned
 host memory, gradients streamed during backward, weights streamed back); the script then also
 prints the GPU memory each optimizer needed and the offload's time breakdown.
 
-With ``--offload-weights`` the model's weights are streamed too (``offload_adam.offload_weights``:
+With --offload-weights the model's weights are streamed too (offload_adam.offload_weights:
 pinned host copy, blocks copied to the device in forward and again in backward, the optimizer's
 step writing the host copy); the script prints the bytes each way per step, the streamer's device
 peak and its stalls. Without CUDA that runs through the simulated device, and says so.
@@ -86,17 +86,21 @@ def param_groups(model: torch.nn.Module, wd: float) -> list[dict]:
     return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written, and each flag's default."""
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=250)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--ctx", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--d-model", type=int, default=128)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--seed", type=int, default=0)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=_Help)
+    ap.add_argument("--steps", type=int, default=250, help="optimizer steps")
+    ap.add_argument("--batch", type=int, default=32, help="sequences per step")
+    ap.add_argument("--ctx", type=int, default=64, help="tokens per sequence")
+    ap.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    ap.add_argument("--d-model", type=int, default=128, help="hidden size")
+    ap.add_argument("--heads", type=int, default=4, help="attention heads")
+    ap.add_argument("--lr", type=float, default=3e-3, help="learning rate (both optimizers)")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(), help="threads of our kernel and of torch")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the model and the data")
     ap.add_argument("--device", default="auto", help="auto (cuda if available), cpu or cuda")
     ap.add_argument("--async-step", action="store_true", help="offload: let step() return at once")
     ap.add_argument("--plot", metavar="FILE.png", help="draw the per-step time breakdown")

@@ -1,6 +1,6 @@
 //! Run-time SIMD dispatch.
 //!
-//! The kernel in `kernel.rs` is written once, over blocks of [`LANES`] `f32` lanes, in plain Rust
+//! The kernel in `kernel/` is written once, over blocks of [`LANES`] `f32` lanes, in plain Rust
 //! that LLVM vectorizes. Here it is compiled several times, each time inside a function with
 //! `#[target_feature]` (AVX-512, AVX2+FMA, NEON), and one of them is picked once at run time, so
 //! one wheel runs on any x86-64 or aarch64 CPU. Where a CPU has conversion instructions LLVM will
@@ -130,7 +130,7 @@ pub fn resolve(name: &str) -> Result<Simd> {
 ///
 /// # Safety
 /// Implementations may use instructions of their path: call them only from code running on a CPU
-/// that supports that path (the dispatch in `kernel.rs` checks this once).
+/// that supports that path (`kernel::dispatch` in `kernel/mod.rs` checks this once).
 pub unsafe trait Isa: Copy + Send + Sync + 'static {
     /// Hints that the cache line at `p` will be read soon. Never faults (any address is fine).
     #[inline(always)]

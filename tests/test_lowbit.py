@@ -131,7 +131,7 @@ def test_amsgrad_keeps_its_maximum_quantized() -> None:
 
 
 def test_codes_identical_figure() -> None:
-    """The figure the README states: identical codes after 100 AdamW steps."""
+    """The figure the compact-state guide (docs/guides/compact-state.md) states: identical codes after 100 AdamW steps."""
     r = _run(True, 0.01)
     same, total = _codes_equal(r["opts"]["ours"], r["opts"]["ao"], r["ours"], r["ao"], ("exp_avg", "exp_avg_sq"))
     gap = max((r["ours"][i] - r["ao"][i]).abs().max().item() for i in QUANTIZED)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,21 +68,49 @@ def test_main_job_runs_plots_and_reports_agreement(tmp_path: Path) -> None:
 
 def test_gpu_benchmark_script_smoke_on_cpu(tmp_path: Path) -> None:
     tiny = ["--device", "cpu", "--layers", "1", "--d-model", "32", "--heads", "2", "--vocab", "50", "--ctx", "16"]
-    out = _run_example(["examples/gpu_bench.py", *tiny, "--batch", "2", "--steps", "3", "--json", str(tmp_path / "g.json")])
+    out = _run_example([".ci/gpu_bench.py", *tiny, "--batch", "2", "--steps", "3", "--json", str(tmp_path / "g.json")])
     res = json.loads((tmp_path / "g.json").read_text())
     assert {"offload_adam", "offload_adam async_step"} <= set(res["results"])
     assert "cpu_step_s" in res["results"]["offload_adam"]
     assert "step" in out
 
 
+def _tiny_checkpoint(where: Path) -> None:
+    """A 2-layer Llama saved as an HF folder, with a word-level tokenizer of its 500 ids (built
+    here: nothing is downloaded)."""
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "<s>", "</s>", "the", "capital", "of", "france", "is"]
+    vocab = {w: i for i, w in enumerate(words + [f"w{i}" for i in range(500 - len(words))])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.save_pretrained(where)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=128, intermediate_size=320, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=500, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(where)
+
+
 def test_generate_example_runs_and_matches_the_resident_model(tmp_path: Path) -> None:
-    small = ["--layers", "2", "--d-model", "128", "--vocab", "500", "--tokens", "6", "--prompt", "8"]
-    out = _run_example(["examples/generate.py", *small])
-    assert "simulated device" in out and "tokens identical" in out and "tokens/s" in out
+    small = ["--tokens", "6"]
+    out = _run_example(["examples/generate.py", "--layers", "2", "--d-model", "128", "--vocab", "500", "--prompt-len", "8", *small])
+    assert "simulated device" in out and "tokens identical" in out and "tokens/s" in out and "(random ids)" in out
+    # an HF folder with a tokenizer: text in, text out, the weights read from the checkpoint onto NVMe
+    _tiny_checkpoint(tmp_path / "ckpt")
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    out = _run_example(["examples/generate.py", *small, "--storage", "nvme", "--nvme-dir", str(nvme), "--prefetch", "1"])
+    out = _run_example(
+        ["examples/generate.py", "--checkpoint", str(tmp_path / "ckpt"), "--prompt", "the capital of france is", *small,
+         "--storage", "nvme", "--nvme-dir", str(nvme), "--prefetch", "1"]  # fmt: skip
+    )
+    assert "(tokenized)" in out and "prompt 1x5 tokens" in out
     assert "tokens identical" in out and "disk read" in out
+    assert "output: 'the capital of france is w" in out  # the prompt decoded, then the random model's words
     assert list(nvme.iterdir()) == []
 
 
@@ -95,3 +124,43 @@ def test_weights_bench_runs(tmp_path: Path) -> None:
     res = json.loads((tmp_path / "w.json").read_text())["read_path"]
     assert res["ratio"] > 0 and res["raw_Bps"] > 0
     assert "owed" in out.stdout or "tokens/s" in out.stdout
+
+
+def _example(name: str) -> Any:
+    """An example script imported as a module (its main(argv) runs in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _losses(out: str) -> tuple[float, float]:
+    line = next(line for line in out.splitlines() if line.startswith("loss: first"))
+    first, last = line.split("first ")[1].split(",")[0], line.split("last ")[1].split(" ")[0]
+    return float(first), float(last)
+
+
+def test_hf_finetune_example_trains_with_streamed_weights_and_offloaded_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ft = _example("finetune_hf")
+    # a random Llama from a config, the counting task, state in RAM
+    assert ft.main(["--layers", "2", "--d-model", "128", "--vocab", "64", "--steps", "16", "--batch", "4", "--seq", "16", "--lr", "3e-3"]) == 0
+    out = capsys.readouterr().out
+    first, last = _losses(out)
+    assert "simulated device" in out and "5 of 5 blocks" in out and last < 0.8 * first
+    # an HF folder built empty and filled by offload_weights(checkpoint=), its tokenizer on a text
+    # file; compact state on NVMe, checkpointing and activations offloaded; saved after
+    _tiny_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "t.txt").write_text(" ".join(["the capital of france is"] * 40))
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    args = ["--model", str(tmp_path / "ckpt"), "--text", str(tmp_path / "t.txt"), "--steps", "8", "--batch", "2", "--seq", "16",
+            "--offload", "nvme", "--nvme-dir", str(nvme), "--state-dtype", "uint8", "--master-dtype", "bfloat16",
+            "--checkpointing", "--offload-activations", "--save", str(tmp_path / "out")]  # fmt: skip
+    assert ft.main(args) == 0
+    out = capsys.readouterr().out
+    first, last = _losses(out)
+    assert "from " + str(tmp_path / "ckpt") in out and "offload='nvme'" in out and "NVMe" in out and last < first
+    assert (tmp_path / "out" / "model.safetensors").exists() and list(nvme.iterdir()) == []

@@ -1,6 +1,15 @@
-"""offload_adam: Adam/AdamW on the CPU for PyTorch, with a fused SIMD multithreaded Rust kernel.
+"""offload_adam: train and run PyTorch models larger than the GPU by offloading three things.
 
-``from offload_adam import AdamW`` replaces ``torch.optim.AdamW``; see the README.
+* The optimizer state: :class:`AdamW` (and :class:`Adam`) replace ``torch.optim.AdamW``/``Adam``
+  with one import; the step runs on the CPU in a fused SIMD multithreaded Rust kernel, with the
+  state in host RAM (``offload="cpu"``) or on an SSD (``offload="nvme"``).
+* The weights: :func:`offload_weights` keeps a model's weights in pinned RAM or on an SSD and
+  streams them to the GPU block by block, for inference and for training.
+* The activations: :func:`offload_activations` moves what a forward saves for backward to pinned
+  RAM or an SSD and brings it back ahead of the backward.
+
+``python -m offload_adam --help`` lists the commands (``plan`` sizes a machine, ``env`` reports
+this one); the documentation is in ``docs/`` (``make docs`` builds it).
 """
 
 from __future__ import annotations

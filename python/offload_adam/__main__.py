@@ -1,25 +1,41 @@
-"""``python -m offload_adam bench [...]``: the same-process benchmark (see ``bench.py``);
-``python -m offload_adam plan [...]``: which configurations fit a machine (see ``plan.py``)."""
+"""``python -m offload_adam COMMAND [options]``: the package's commands (``tools/``), each with
+its own ``--help``."""
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+# name -> (module under offload_adam.tools, one line on what it does)
+COMMANDS = {
+    "plan": ("plan", "what fits a machine, how fast it steps, what it costs the machine and what to write (--inference: tokens/s)"),
+    "env": ("env", "this machine as a bug report needs it: SIMD path, I/O backend, torch and CUDA, memlock, pinned memory"),
+    "bench": ("bench", "the same-process benchmark against torch and the peers (--nvme, --weights, --fsdp2, ...)"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = [
+        "usage: python -m offload_adam COMMAND [--help | options]",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}  {what}" for name, (_, what) in COMMANDS.items()),
+        "",
+        "example: python -m offload_adam plan --params 13B --gpu-gb 24 --host-gb 64 --nvme-gb 1000",
+    ]
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m offload_adam {bench,plan} [--help | options]")
+        print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    if argv[0] == "bench":
-        from .tools.bench import main as bench
-
-        return bench(argv[1:])
-    if argv[0] == "plan":
-        from .tools.plan import main as plan
-
-        return plan(argv[1:])
-    print(f"unknown command {argv[0]!r}; try: python -m offload_adam bench --help, or plan --help", file=sys.stderr)
-    return 2
+    if argv[0] not in COMMANDS:
+        print(f"unknown command {argv[0]!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    tool = importlib.import_module(f".tools.{COMMANDS[argv[0]][0]}", __package__)
+    return int(tool.main(argv[1:]))
 
 
 if __name__ == "__main__":

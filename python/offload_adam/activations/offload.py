@@ -463,6 +463,7 @@ class ActivationOffload:
         return out
 
     def reset_stats(self) -> None:
+        """Starts the counters of ``report()`` afresh (the peak too, from what is held now)."""
         with self.lock:
             self.stalls = []
         self.stats = _Stats()
@@ -501,20 +502,33 @@ def offload_activations(
     device: Any = None,
     max_inflight_bytes: int = 1 << 30,
 ) -> ActivationOffload:
-    """Offloads what a forward saves for backward (see the module documentation).
+    """Offloads what a forward saves for backward to pinned host memory (or an SSD) and brings
+    it back ahead of the backward (the design: ``offload_adam.activations.offload``).
 
     ``with offload_activations(...) as ao: loss = model(x)``, then ``loss.backward()`` inside or
     outside the ``with``, then ``ao.report()``. With ``modules`` (a module or a list), only what
-    those modules' forwards save is offloaded, whenever they run, until ``close()``.
+    those modules' forwards save is offloaded, whenever they run, until ``close()``. Each
+    offloaded byte crosses PCIe twice per step: use it when activations, not weights, fill the
+    GPU (long sequences, large batches).
+
+    For example::
+
+        with offload_adam.offload_activations() as ao:
+            loss = model(x)
+        loss.backward()
+        print(ao.report())
 
     Args:
-        min_bytes: storages smaller than this stay on the device.
-        prefetch: storages copied back ahead of the one the backward needs.
-        storage: ``"cpu"`` (pinned host memory) or ``"nvme"`` (written under ``nvme_dir`` behind
-            the forward, read back during the backward).
-        nvme_dir: the directory (on an SSD) of ``storage="nvme"``.
-        modules: restrict the offload to what these modules save.
-        device: the CUDA device of the activations (default: the current one; inside
+        min_bytes: storages smaller than this many bytes stay on the device (default: 1 MiB,
+            ``1 << 20``).
+        prefetch: storages copied back ahead of the one the backward needs (default: 2).
+        storage: ``"cpu"`` (pinned host memory; the default) or ``"nvme"`` (written under
+            ``nvme_dir`` behind the forward, read back during the backward).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
+            (default: None).
+        modules: restrict the offload to what these modules save (default: None, everything
+            the forward inside the ``with`` saves).
+        device: the CUDA device of the activations (default: None, the current one; inside
             ``offload_adam.testing.simulated_device()``, the simulated device).
         max_inflight_bytes: bytes of saved storages whose copy to the host has not run yet
             (they stay allocated on the device meanwhile) beyond which the forward waits for the
@@ -522,6 +536,10 @@ def offload_activations(
 
     The pinned pool is the device's, shared by every handle: creating a handle per step pins
     nothing new (``with offload_activations() as ao:`` inside the loop is fine).
+
+    Returns:
+        The ``ActivationOffload`` handle (a context manager; ``report()``, ``reset_stats()``,
+        ``close()``).
     """
     if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an integer >= 0, got {min_bytes!r}")

@@ -56,9 +56,15 @@ def install(model: Any, engine: Any, process_group: Any = None) -> None:
 
 def register_ddp_hook(model: Any, optimizer: Any, process_group: Any = None) -> None:
     """Makes ``model`` (a ``DistributedDataParallel``) hand its averaged gradients to
-    ``optimizer`` (an ``offload_adam`` optimizer over the model's offloaded parameters): each
-    gradient is copied to the host once, bucket by bucket as DDP reduces them. DDP's own
-    process group by default. The same as ``optimizer.register_ddp_hook(model, process_group)``."""
+    ``optimizer``: each gradient is copied to the host once, bucket by bucket as DDP reduces them
+    (without the hook, offloaded gradients cross to the host twice). The same as
+    ``optimizer.register_ddp_hook(model, process_group)``.
+
+    Args:
+        model: the ``torch.nn.parallel.DistributedDataParallel`` module.
+        optimizer: an ``offload_adam.AdamW``/``Adam`` over the model's offloaded (CUDA) parameters.
+        process_group: the group DDP's all-reduce runs on (default: None, DDP's own process group).
+    """
     hook = getattr(optimizer, "register_ddp_hook", None)
     if hook is None:
         raise TypeError(f"register_ddp_hook: optimizer must be an offload_adam optimizer, got {type(optimizer).__name__}")

@@ -9,7 +9,7 @@ next forward needs them), buckets whose gradients have arrived batched into one 
 synchronously in ``step()``, or (``async_step``) on a worker thread while the next forward
 runs: a forward pre-hook makes each module wait only for the buckets it reads.
 
-Everything device-specific goes through a :class:`~offload_adam.device.Device`; the engine
+Everything device-specific goes through a :class:`~offload_adam.runtime.device.Device`; the engine
 holds no reference to the optimizer.
 """
 

@@ -125,7 +125,7 @@ class StreamedGrads:
         self.generation = 0
         self.d2h_bytes = 0  # gradient bytes queued for the host since the last step took them
         # DDP: gradients come averaged from DDP's communication hook (`land_averaged`), not from
-        # the post-accumulate hooks, which see the local ones (see offload_adam.ddp).
+        # the post-accumulate hooks, which see the local ones (see offload_adam.optim.ddp).
         self.ddp = False
         self._landed: list[Rec] = []
         me = weakref.ref(self)

@@ -224,7 +224,11 @@ def copy_moment(views: Mapping[str, Tensor], codec: Codec, dst: Moment, src: Mom
 def dequantized(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of a state dict with every quantized moment (``<name>_codes`` and
     ``<name>_absmax``) replaced by its float32 values under ``<name>``: what
-    ``torch.optim.AdamW.load_state_dict`` can take. Other entries are shared, not copied."""
+    ``torch.optim.AdamW.load_state_dict`` can take. Other entries are shared, not copied.
+
+    Args:
+        state_dict: an optimizer state dict of ``AdamW(state_dtype=torch.uint8)``.
+    """
     out = dict(state_dict)
     state = {}
     for k, entry in state_dict["state"].items():

@@ -90,7 +90,12 @@ def _lock(path: str) -> Any:
 
 def stale_runs(nvme_dir: str) -> list[str]:
     """Run directories under ``nvme_dir`` whose process is gone (killed before it could clean
-    up): nobody holds their lock."""
+    up): nobody holds their lock.
+
+    Args:
+        nvme_dir: the directory given to ``AdamW(offload="nvme", nvme_dir=...)``,
+            ``offload_weights(storage="nvme", nvme_dir=...)`` or ``offload_activations``.
+    """
     out = []
     try:
         names = sorted(os.listdir(nvme_dir))
@@ -108,8 +113,12 @@ def stale_runs(nvme_dir: str) -> list[str]:
 
 
 def remove_stale_runs(nvme_dir: str) -> list[str]:
-    """Removes the run directories left under ``nvme_dir`` by killed runs (see
-    :func:`stale_runs`); live runs are never touched. Returns what was removed."""
+    """Removes the run directories left under ``nvme_dir`` by killed runs (see ``stale_runs``);
+    live runs are never touched. Returns the paths removed.
+
+    Args:
+        nvme_dir: the directory the runs were made under.
+    """
     removed = []
     for path in stale_runs(nvme_dir):
         f = _lock(os.path.join(path, LOCK))

@@ -1,14 +1,27 @@
-"""``python -m offload_adam plan``: which training configurations fit a machine.
+"""``python -m offload_adam plan``: what fits a machine, how fast it steps, what it costs the
+machine, and what code to write.
 
-For a model of ``--params`` parameters (taken as tensors of ``--tensor-params`` elements: the
-layout's per-tensor alignment is negligible at that size) and ``--world-size`` ranks, each
-configuration's bytes per rank on the GPU, in host memory and on NVMe, and the bytes it moves
-per step over PCIe and to the disk. The host bytes of our optimizer come from
-:func:`offload_adam.state.layout`, the computation the optimizer allocates its buffers from (a
-test checks them against ``memory_report()`` of a real model); the rest (weights, gradients,
-FSDP2's shards) are the tensors' own sizes. With the weights streamed (``offload_weights``), the
-model is taken as ``--layers`` equal layers, and the device ring is sized by the code that
-allocates it (:func:`offload_adam.weights.offload.ring_bytes`).
+Training: for a model of ``--params`` parameters (taken as tensors of ``--tensor-params``
+elements: the layout's per-tensor alignment is negligible at that size) and ``--world-size``
+ranks, each configuration's bytes per rank on the GPU, in host memory and on NVMe, the bytes it
+moves per step over PCIe and to the disk, the seconds per step those imply and the term that
+bounds them, the terabytes written to the SSD per 1000 steps, and the host memory left free
+(under 10% free is "tight", not "fits"). Then one recommended configuration, with its code.
+
+The host bytes of our optimizer come from :func:`offload_adam.optim.state.layout`, the
+computation the optimizer allocates its buffers from (a test checks them against
+``memory_report()`` of a real model); the rest (weights, gradients, FSDP2's shards) are the
+tensors' own sizes. With the weights streamed (``offload_weights``), the model is taken as
+``--layers`` equal layers, and the device ring is sized by the code that allocates it
+(:func:`offload_adam.weights.offload.ring_bytes`, and :func:`~offload_adam.weights.offload.choose_resident`
+for ``--inference``'s budgets).
+
+Time: a step is the forward and backward, then the optimizer step. In the first, the GPU's
+compute (6 FLOPs per parameter and token, from ``--tokens-per-step`` and ``--gpu-tflops``) and
+the PCIe transfers overlap; in the second, the CPU step, the SSD's reads and writes and the
+copy-back overlap. Each phase takes its largest term, so the estimate is a lower bound. The
+bandwidths come from the flags, else from the calibration file
+(:mod:`offload_adam.runtime.calibration`), else from the stated defaults.
 
 Activations are not counted: they depend on batch, sequence length and checkpointing, and come
 on top of every GPU figure.
@@ -17,18 +30,35 @@ on top of every GPU figure.
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..optim.schema import QBLOCK, codec_for
 from ..optim.state import SLOT_ALIGN, layout
 from ..optim.tier import PAGE_ALIGN
+from ..runtime import calibration
 from ..weights.blocks import Block
-from ..weights.offload import own_slot_blocks, ring_bytes
+from ..weights.offload import choose_resident, own_slot_blocks, ring_bytes
 
-GB = 1 << 30
+GB = 1 << 30  # memory: GiB
+G = 1e9  # bandwidth: GB/s
+
+# The bandwidths' defaults, where neither a flag nor the calibration file gives one: (GB/s, why).
+DEFAULT_RATES = {
+    "pcie": (25.0, "PCIe 4.0 x16 in practice; x8 or x4 slots give half or a quarter"),
+    "disk": (3.0, "a consumer NVMe SSD, reads and writes alike"),
+    "host": (35.0, "the fp32 step measured on a 2-core AMD EPYC VM: 1270 Mparam/s at 28 B per parameter"),
+}
+# The 8-bit moments' step is bound by its table lookups, not by memory: on AVX2 it measured at
+# 0.37x the rate of the fp32-moment step (docs/benchmarks.md), so it costs 2.7x that step's time.
+Q8_STEP_COST = 2.7
+# The recommendation keeps torch's arithmetic (fp32 state) unless compact state is this much faster.
+EXACT_WITHIN = 1.5
 
 
 @dataclass
@@ -40,6 +70,73 @@ class Config:
     pcie: float  # bytes per step per rank, both directions
     disk: float  # bytes per step per rank, read + written
     note: str = ""
+    kind: str = ""  # gpu, fsdp_gpu, offload, fsdp_cpu, nvme, stream, stream_nvme: what code to write
+    pcie_step: float = 0.0  # of ``pcie``: what crosses during the optimizer step (the copy-back)
+    cpu_bytes: float = 0.0  # host memory the CPU step reads and writes per rank (8-bit: its fp32-equivalent cost)
+    state_dtype: torch.dtype = torch.float32
+    master_dtype: torch.dtype = torch.float32
+    weights: float = 0.0  # bytes of the bf16 weights (streamed configurations: the peak while loading)
+
+
+@dataclass
+class Rates:
+    """Bandwidths in GB/s, and where each came from."""
+
+    pcie: float
+    disk: float
+    host: float
+    source: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class Timing:
+    compute: float | None  # seconds; None: not given
+    pcie_fb: float
+    pcie_step: float
+    cpu: float
+    disk: float
+
+    @property
+    def phases(self) -> tuple[dict[str, float], dict[str, float]]:
+        fb = {"PCIe": self.pcie_fb}
+        if self.compute is not None:
+            fb["the GPU's compute"] = self.compute
+        step = {"the CPU step": self.cpu, "the SSD": self.disk, "PCIe (copy-back)": self.pcie_step}
+        return fb, step
+
+    @property
+    def seconds(self) -> float:
+        fb, step = self.phases
+        return max(fb.values()) + max(step.values())
+
+    @property
+    def bound(self) -> str:
+        fb, step = self.phases
+        a, b = max(fb.items(), key=lambda kv: kv[1]), max(step.items(), key=lambda kv: kv[1])
+        top = a if a[1] >= b[1] else b
+        return top[0] if top[1] > 0 else "nothing offloaded"
+
+
+def parse_count(text: str) -> float:
+    """A count such as ``13B``, ``7e9``, ``350M``, ``1.5T`` or ``125k``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMbBgGtT]?)\s*", str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (examples: 13B, 7e9, 350M)")
+    scale = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}[m.group(2).lower()]
+    value = float(m.group(1)) * scale
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def _positive(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (v > 0 and math.isfinite(v)):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive number")
+    return v
 
 
 def optimizer_host_bytes(
@@ -62,10 +159,14 @@ def optimizer_host_bytes(
     return lay.host_bytes(amsgrad=amsgrad, master=master, streamed=streamed, comp=kahan)
 
 
+def _layers(layers: int, layer_bytes: int) -> list[Block]:
+    return [Block(i, f"layers.{i}", [], nbytes=layer_bytes, layer=True) for i in range(layers)]
+
+
 def streamed_ring_bytes(layers: int, layer_bytes: int, prefetch: int = 2) -> int:
     """Device bytes of the ring ``offload_weights`` allocates for ``layers`` equal layers, every
     one streamed."""
-    blocks = [Block(i, f"layers.{i}", [], nbytes=layer_bytes, layer=True) for i in range(layers)]
+    blocks = _layers(layers, layer_bytes)
     return ring_bytes(blocks, range(layers), own_slot_blocks(blocks), prefetch)
 
 
@@ -97,97 +198,436 @@ def configurations(
     nvme_window = (2 + 1 + 2) * bb / 2 * (4 + 2 * es)  # read-ahead 2, one stepping, 2 writing
     # Weights streamed by offload_weights have a host copy the step writes: with
     # master_dtype=torch.bfloat16 it is updated with a 2-byte Kahan compensation, no fp32 master.
+    kahan = master_dtype == torch.bfloat16
     ours_w = optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, master_dtype=master_dtype)
     on_disk_w = (
         optimizer_host_bytes(bf16, state_dtype=state_dtype, streamed=True, bucket_bytes=bb, page_align=PAGE_ALIGN, master_dtype=master_dtype)
         - landing
     )
-    window_w = (2 + 1 + 2) * bb / 2 * ((2 if master_dtype == torch.bfloat16 else 4) + 2 * es)
+    window_w = (2 + 1 + 2) * bb / 2 * ((2 if kahan else 4) + 2 * es)
     ring = streamed_ring_bytes(layers, int(2 * n / layers), prefetch)
     weights = 2 * n  # the bf16 weights, pinned once: the copy the forward streams and the step writes
+    # What the CPU step reads and writes per parameter: the gradient, the weights (an fp32 master
+    # read and written, and the bf16 copy written; or bf16 weights and their compensation, each
+    # read and written) and both moments read and written. 8-bit moments: their fp32-equivalent
+    # cost (their step is bound by lookups, not memory).
+    q8 = state_dtype == torch.uint8
+    moments = 4 * (4.0 if q8 else es)
+    cost = Q8_STEP_COST if q8 else 1.0
+    step_bf16 = (2 + 8 + 2 + moments) * cost * n
+    step_kahan = ((2 + 4 + 4 + moments) * cost * n) if kahan else step_bf16
+    step_fsdp = (4 + 8 + moments) * cost * shard
+    sd, md = state_dtype, master_dtype
     return [
         Config(
             "torch.optim.AdamW on the GPU, DDP (fp32 weights, grads, moments)",
-            16 * n, 0, 0, 0, 0,
+            16 * n, 0, 0, 0, 0, kind="gpu",
         ),
         Config(
             "FSDP2 on GPUs, torch.optim.AdamW (fp32 shards, grads, moments)",
-            16 * shard + biggest, 0, 0, 0, 0,
+            16 * shard + biggest, 0, 0, 0, 0, kind="fsdp_gpu",
         ),
         Config(
             "offload_adam offload='cpu', bf16 model, free_gradients (one replica per GPU)",
             2 * n + window, ours_off, 0, 4 * n, 0,
             "masters and moments in pinned RAM; bf16 grads down, bf16 weights up",
+            kind="offload", pcie_step=2 * n, cpu_bytes=step_bf16, state_dtype=sd,
         ),
         Config(
             "FSDP2 + CPUOffloadPolicy + offload_adam (fp32 shards)",
             biggest, 8 * shard + ours_fsdp, 0, 8 * shard, 0,
             "FSDP2 keeps fp32 shards and grads in pinned RAM; our state beside them",
+            kind="fsdp_cpu", cpu_bytes=step_fsdp, state_dtype=sd,
         ),
         Config(
             "offload_adam offload='nvme', bf16 model, free_gradients (one replica per GPU)",
             2 * n + window, landing + nvme_window, on_disk, 4 * n, 2 * on_disk,
             "masters and moments on NVMe, paged through a window",
+            kind="nvme", pcie_step=2 * n, cpu_bytes=step_bf16, state_dtype=sd,
         ),
         Config(
             f"offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
             ring + window, weights + ours_w, 0, 6 * n, 0,
             "weights streamed up in forward and again in backward, bf16 grads down; the step writes the host copy",
+            kind="stream", cpu_bytes=step_kahan, state_dtype=sd, master_dtype=md, weights=weights,
         ),
         Config(
             f"offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
             ring + window, weights + landing + window_w, on_disk_w, 6 * n, 2 * on_disk_w,
             "weights pinned in RAM and streamed; masters and moments on NVMe, paged through a window",
+            kind="stream_nvme", cpu_bytes=step_kahan, state_dtype=sd, master_dtype=md, weights=weights,
         ),
+    ]  # fmt: skip
+
+
+def rates(pcie: float | None = None, disk: float | None = None, host: float | None = None) -> Rates:
+    """The bandwidths: a flag's value, else the calibration file's, else the default."""
+    cal = calibration.load()
+    out = Rates(0.0, 0.0, 0.0)
+    for what, flag, key in (("pcie", pcie, "pcie_h2d_gbs"), ("disk", disk, "disk_read_gbs"), ("host", host, "host_read_gbs")):
+        if flag is not None:
+            value, src = flag, f"--{what}-gbs"
+        elif key in cal:
+            value, src = cal[key], f"calibration: {calibration.path()}"
+        else:
+            value, why = DEFAULT_RATES[what]
+            src = f"default: {why}"
+        setattr(out, what, float(value))
+        out.source[what] = src
+    return out
+
+
+def timing(c: Config, r: Rates, *, params: float, world: int, tokens: float | None, tflops: float | None) -> Timing:
+    compute = 6 * params * tokens / world / (tflops * 1e12) if tokens and tflops else None
+    return Timing(
+        compute=compute,
+        pcie_fb=(c.pcie - c.pcie_step) / (r.pcie * G),
+        pcie_step=c.pcie_step / (r.pcie * G),
+        cpu=c.cpu_bytes / (r.host * G),
+        disk=c.disk / (r.disk * G),
+    )
+
+
+def verdict(c: Config, gpu_gb: float, host_gb: float, nvme_gb: float) -> tuple[int, str]:
+    """(0 fits, 1 tight, 2 does not fit) and its words: under 10% of the RAM left free is tight."""
+    short = [
+        what for what, need, have in (("GPU", c.gpu, gpu_gb), ("host", c.host, host_gb), ("NVMe", c.nvme, nvme_gb))
+        if need > have * GB
+    ]  # fmt: skip
+    if short:
+        return 2, "does not fit (" + ", ".join(short) + ")"
+    free = host_gb * GB - c.host
+    if c.host > 0 and free < 0.1 * host_gb * GB:
+        return 1, f"tight (host: {free / GB:.1f} GiB left free, under 10% of {host_gb:g} GiB)"
+    return 0, "fits"
+
+
+def _dt(d: torch.dtype) -> str:
+    return str(d).removeprefix("torch.")
+
+
+def _exactness(c: Config) -> int:
+    """0 for torch's arithmetic on fp32 state; more for each compact choice."""
+    return {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}[c.state_dtype] + (c.master_dtype == torch.bfloat16)
+
+
+def code(c: Config) -> str:
+    """The lines to write for a configuration."""
+    extra = ""
+    if c.state_dtype != torch.float32:
+        extra += f", state_dtype=torch.{_dt(c.state_dtype)}"
+    if c.master_dtype != torch.float32:
+        extra += f", master_dtype=torch.{_dt(c.master_dtype)}"
+    nvme = ', offload="nvme", nvme_dir="/path/on/the/ssd"' if c.kind in ("nvme", "stream_nvme") else ""
+    loop = [
+        "for batch in loader:",
+        "    model(**batch).loss.backward()",
+        "    opt.step(); opt.zero_grad()",
     ]
+    if c.kind == "gpu":
+        return "\n".join(
+            ["model = model.cuda()   # it fits on the GPU: offload_adam is not needed",
+             "opt = torch.optim.AdamW(model.parameters(), lr=1e-5)", *loop]  # fmt: skip
+        )
+    if c.kind == "fsdp_gpu":
+        return "\n".join(
+            ["for layer in model.model.layers: fully_shard(layer)   # torchrun, one rank per GPU",
+             "fully_shard(model)   # it fits on the GPUs: offload_adam is not needed",
+             "opt = torch.optim.AdamW(model.parameters(), lr=1e-5)", *loop]  # fmt: skip
+        )
+    if c.kind == "fsdp_cpu":
+        return "\n".join(
+            ["for layer in model.model.layers: fully_shard(layer, offload_policy=CPUOffloadPolicy())",
+             "fully_shard(model, offload_policy=CPUOffloadPolicy())",
+             f"opt = offload_adam.AdamW(model.parameters(), lr=1e-5{extra})", *loop]  # fmt: skip
+        )
+    if c.kind in ("offload", "nvme"):
+        return "\n".join(
+            ["model = model.to(\"cuda\", torch.bfloat16)",
+             f"opt = offload_adam.AdamW(model.parameters(), lr=1e-5, free_gradients=True{nvme}{extra})", *loop]  # fmt: skip
+        )
+    return "\n".join(
+        [
+            "with accelerate.init_empty_weights():   # no RAM for a second copy while loading",
+            "    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), dtype=torch.bfloat16)",
+            "model.tie_weights()",
+            "h = offload_adam.offload_weights(model, checkpoint=DIR)   # first: weights to pinned RAM, streamed to the GPU",
+            f"opt = offload_adam.AdamW(model.parameters(), lr=1e-5, free_gradients=True{nvme}{extra})",
+            *loop,
+            "opt.close(); h.close()   # the optimizer first, then the weights",
+        ]
+    )
+
+
+def _numerics(c: Config) -> str:
+    parts = []
+    if c.state_dtype == torch.bfloat16:
+        parts.append("bf16 moments (rounded to nearest even)")
+    if c.state_dtype == torch.uint8:
+        parts.append("8-bit moments (torchao's AdamW8bit)")
+    if c.master_dtype == torch.bfloat16:
+        parts.append("bf16 weights with Kahan compensation instead of fp32 masters")
+    if not parts:
+        return "fp32 moments and masters: torch's AdamW arithmetic"
+    return ", ".join(parts) + ": close to torch's AdamW, not bitwise (see the compact-state guide)"
+
+
+def _describe(c: Config, t: Timing, args: argparse.Namespace) -> list[str]:
+    host_free = args.host_gb * GB - c.host
+    lines = [
+        f"  per rank: GPU {c.gpu / GB:.1f} GiB of {args.gpu_gb:g} ({max(args.gpu_gb * GB - c.gpu, 0) / GB:.1f} left for activations), "
+        f"host {c.host / GB:.1f} GiB of {args.host_gb:g} ({max(host_free, 0) / GB:.1f} free, {max(host_free, 0) / (args.host_gb * GB) * 100:.0f}%), "
+        f"NVMe {c.nvme / GB:.1f} GiB",
+        f"  per step: PCIe {c.pcie / GB:.1f} GiB, disk {c.disk / GB:.1f} GiB"
+        + (f" ({c.disk / 2 / GB:.1f} read + {c.disk / 2 / GB:.1f} written: {c.disk / 2 * 1000 / 1e12:.1f} TB written per 1000 steps)" if c.disk else ""),
+    ]  # fmt: skip
+    fb, step = t.phases
+    if c.kind in ("gpu", "fsdp_gpu"):
+        lines.append(
+            "  time: the GPU's compute only"
+            + (f", {t.compute:.1f} s per step" if t.compute is not None else " (give --tokens-per-step and --gpu-tflops)")
+        )
+    elif t.seconds > 0:
+        terms = "; ".join(
+            f"{phase}: " + ", ".join(f"{k} {v:.1f} s" for k, v in sorted(d.items(), key=lambda kv: -kv[1]) if v > 0 or k == "the GPU's compute")
+            for phase, d in (("forward+backward", fb), ("step", step))
+            if any(v > 0 for v in d.values())
+        )
+        lines.append(f"  time: at least {t.seconds:.1f} s per step, bound by {t.bound} ({terms})")
+    if c.note:
+        lines.append(f"  {c.note}")
+    return lines
+
+
+def train(args: argparse.Namespace, r: Rates) -> None:
+    fixed_sd = torch.bfloat16 if args.bf16_moments else (getattr(torch, args.state_dtype) if args.state_dtype else None)
+    fixed_md = getattr(torch, args.master_dtype) if args.master_dtype else None
+    sd = fixed_sd or torch.float32
+    md = fixed_md or torch.float32
+    common = dict(world=args.world_size, tensor_params=args.tensor_params, layers=args.layers, prefetch=args.prefetch)
+    cfgs = configurations(args.params, state_dtype=sd, master_dtype=md, **common)
+    when = dict(params=args.params, world=args.world_size, tokens=args.tokens_per_step, tflops=args.gpu_tflops)
+    print(
+        f"{args.params / 1e9:.2f}B parameters, {args.world_size} rank(s) with {args.gpu_gb:g} GiB GPU, "
+        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {_dt(sd)} moments, {_dt(md)} masters; "
+        "activations not counted"
+    )
+    _print_rates(r, args)
+    for c in cfgs:
+        _, status = verdict(c, args.gpu_gb, args.host_gb, args.nvme_gb)
+        print(f"\n{c.name}: {status}")
+        for line in _describe(c, timing(c, r, **when), args):
+            print(line)
+
+    # The recommendation: over the moments' and masters' dtypes the user left open, the best
+    # verdict; among those, the one closest to torch's arithmetic within 1.5x of the fastest
+    # (compact state changes the arithmetic: it is worth it where it is much faster), then the
+    # fastest.
+    cands: list[tuple[int, float, int, Config]] = []
+    for s in [fixed_sd] if fixed_sd else [torch.float32, torch.bfloat16, torch.uint8]:
+        for m in [fixed_md] if fixed_md else [torch.float32, torch.bfloat16]:
+            for c in configurations(args.params, state_dtype=s, master_dtype=m, **common):
+                if m == torch.bfloat16 and c.kind not in ("stream", "stream_nvme"):
+                    continue  # Kahan weights need a host copy of the weights: CPU or streamed parameters
+                rank, _ = verdict(c, args.gpu_gb, args.host_gb, args.nvme_gb)
+                cands.append((rank, timing(c, r, **when).seconds, _exactness(c), c))
+    best_rank = min(x[0] for x in cands)
+    pool = [x for x in cands if x[0] == best_rank]
+    fastest = min(x[1] for x in pool)
+    rank, _, _, pick = min((x for x in pool if x[1] <= EXACT_WITHIN * fastest + 1e-9), key=lambda x: (x[2], x[1]))
+    if rank == 2:
+        print("\nRecommended: nothing fits. Add NVMe space (--nvme-gb), host memory or GPUs, or compact state "
+              "(--state-dtype uint8 --master-dtype bfloat16).")  # fmt: skip
+        return
+    t = timing(pick, r, **when)
+    _, status = verdict(pick, args.gpu_gb, args.host_gb, args.nvme_gb)
+    print(f"\nRecommended ({status}): {pick.name}")
+    if pick.kind not in ("gpu", "fsdp_gpu"):
+        print(f"  state: {_numerics(pick)}")
+    for line in _describe(pick, t, args)[:3]:
+        print(line)
+    if pick.kind in ("stream", "stream_nvme") and 2 * pick.weights > args.host_gb * GB:
+        print(
+            f"  loading: a model read into RAM first (from_pretrained) is held twice while offload_weights copies it "
+            f"({2 * pick.weights / GB:.1f} GiB): load with checkpoint=, as below"
+        )
+    print("  code:")
+    for line in code(pick).splitlines():
+        print("    " + line)
+
+
+def inference(args: argparse.Namespace, r: Rates) -> None:
+    dtype = getattr(torch, args.dtype)
+    es = torch.empty((), dtype=dtype).element_size()
+    weights = args.params * es
+    layer = int(weights / args.layers)
+    blocks = _layers(args.layers, layer)
+    usable = (args.gpu_gb - args.reserve_gb) * GB
+    ring = streamed_ring_bytes(args.layers, layer, args.prefetch)
+    print(
+        f"{args.params / 1e9:.2f}B parameters in {args.dtype} ({weights / GB:.1f} GiB, taken as {args.layers} equal layers); "
+        f"GPU {args.gpu_gb:g} GiB, of which {args.reserve_gb:g} kept for the CUDA context, KV cache and activations "
+        f"(--reserve-gb); host {args.host_gb:g} GiB; NVMe {args.nvme_gb:g} GiB"
+    )
+    _print_rates(r, args)
+    if weights + args.reserve_gb * GB <= args.gpu_gb * GB:
+        print(f"\nThe model fits on the GPU whole ({weights / GB:.1f} GiB): model.cuda(), no offload needed.")
+        return
+    if usable < ring:
+        print(
+            f"\nNothing fits: the streaming ring alone ({ring / GB:.1f} GiB, prefetch {args.prefetch}) is over the "
+            f"{max(usable, 0) / GB:.1f} GiB the GPU has after --reserve-gb"
+        )
+        return
+    print(
+        "\nDecode at batch 1: each token's forward copies every streamed (not resident) block to the GPU, so tokens/s is at "
+        "most the PCIe bandwidth (storage=\"nvme\": the disk's too) over the streamed bytes; a batch of b sequences makes b "
+        "tokens per forward. The GPU's own time comes on top."
+    )
+    # Later placements get a row here once offload_weights has them (the placement and quantized
+    # weights issues): blocks run on the CPU from their host copy (tokens/s about
+    # min(host bandwidth / streamed bytes, calibration's cpu_matmul_gflops at 1 row / 2 FLOPs per
+    # parameter)), and quantized weights (fewer bytes per parameter streamed). Only what
+    # offload_weights does today is printed.
+    budgets: list[float | None] = [None] + sorted({round(f * usable / GB, 1) for f in (0.25, 0.5, 0.75)} | {math.floor(usable / GB * 10) / 10})
+    print(f"  {'gpu_budget_gb':>17}  {'on the GPU':>10}  {'streamed/token':>14}  {'storage=cpu: tokens/s, pinned RAM':>38}  {'storage=nvme: tokens/s':>22}")
+    rows = []
+    for b in budgets:
+        budget = None if b is None else int(b * GB)
+        if budget is not None and budget < ring:
+            continue
+        res = choose_resident(blocks, budget, args.prefetch, 0)
+        resident = sum(blocks[i].nbytes for i in res)
+        streamed = weights - resident
+        streamed_blocks = [i for i in range(args.layers) if i not in res]
+        ring_b = ring_bytes(blocks, streamed_blocks, own_slot_blocks(blocks), args.prefetch)
+        cpu_rate = r.pcie * G / streamed if streamed else math.inf
+        nvme_rate = min(r.pcie, r.disk) * G / streamed if streamed else math.inf
+        host_ok = streamed <= 0.9 * args.host_gb * GB
+        nvme_ok = streamed <= args.nvme_gb * GB
+        rows.append((b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok))
+        name = "None (stream all)" if b is None else f"{b:g}"
+        cpu_col = f"{cpu_rate:.2f} (PCIe), {streamed / GB:.1f} GiB" + ("" if host_ok else " > 90% of host")
+        nvme_col = f"{nvme_rate:.2f} ({'SSD' if r.disk < r.pcie else 'PCIe'})" if nvme_ok else "no NVMe space"
+        print(f"  {name:>17}  {(resident + ring_b) / GB:>6.1f} GiB  {streamed / GB:>10.1f} GiB  {cpu_col:>38}  {nvme_col:>22}")
+    b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok = rows[-1]
+    if host_ok:
+        storage, rate, by, kw = "cpu", cpu_rate, "PCIe", ""
+    elif nvme_ok:
+        storage, rate, by, kw = "nvme", nvme_rate, "the SSD" if r.disk < r.pcie else "PCIe", ', storage="nvme", nvme_dir="/path/on/the/ssd"'
+    else:
+        print("\nRecommended: nothing fits: the streamed weights need host memory (storage=\"cpu\") or NVMe space (storage=\"nvme\").")
+        return
+    print(
+        f"\nRecommended: gpu_budget_gb={b:g}, storage=\"{storage}\": at most {rate:.2f} tokens/s at batch 1, bound by {by} "
+        f"({streamed / GB:.1f} GiB streamed per token, {resident / GB:.1f} GiB resident)"
+    )
+    print("  code:")
+    for line in (
+        "with accelerate.init_empty_weights():   # no RAM for a second copy while loading",
+        f"    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), dtype=torch.{args.dtype})",
+        "model.tie_weights()",
+        f"h = offload_adam.offload_weights(model, checkpoint=DIR, gpu_budget_gb={b:g}{kw})",
+        "tok = AutoTokenizer.from_pretrained(DIR)",
+        "out = model.generate(**tok(\"Hello\", return_tensors=\"pt\").to(\"cuda\"), max_new_tokens=64)",
+        "print(tok.decode(out[0])); h.close()",
+    ):
+        print("    " + line)
+    q4 = args.params * 0.5 * 1.1  # 4-bit weights with their scales, about
+    if q4 + args.reserve_gb * GB <= args.gpu_gb * GB:
+        print(
+            f"  note: 4-bit weights (about {q4 / GB:.1f} GiB) would fit this GPU whole, at the GPU's own speed; this version "
+            "streams unquantized weights only (bitsandbytes or torchao quantize a model in place)."
+        )
+
+
+def _print_rates(r: Rates, args: argparse.Namespace) -> None:
+    print(f"bandwidths: PCIe {r.pcie:g} GB/s ({r.source['pcie']})")
+    print(f"            SSD {r.disk:g} GB/s ({r.source['disk']})")
+    if not args.inference:
+        print(f"            CPU step {r.host:g} GB/s of host memory ({r.source['host']})")
+    if not args.inference and (args.tokens_per_step is None or args.gpu_tflops is None):
+        print("GPU compute not counted: give --tokens-per-step and --gpu-tflops")
+
+
+EPILOG = """examples:
+  fine-tune a 13B model on one 24 GB GPU, 64 GB of RAM and a 1 TB SSD:
+    python -m offload_adam plan --params 13B --gpu-gb 24 --host-gb 64 --nvme-gb 1000
+  the same with the GPU's compute counted (2 sequences of 4096 tokens per step, 80 TFLOP/s achieved):
+    python -m offload_adam plan --params 13B --gpu-gb 24 --host-gb 64 --nvme-gb 1000 --tokens-per-step 8192 --gpu-tflops 80
+  generate with a 13B model on the same machine:
+    python -m offload_adam plan --inference --params 13B --gpu-gb 24 --host-gb 64 --nvme-gb 1000
+
+Memory figures are GiB; bandwidths GB/s. Measured bandwidths are read from calibration.json (keys
+pcie_h2d_gbs, disk_read_gbs, host_read_gbs) in $OFFLOAD_ADAM_CACHE_DIR, else in
+$XDG_CACHE_HOME/offload_adam, else in ~/.cache/offload_adam; a flag overrides them, and the output
+says where each figure came from. Activations are not counted."""
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m offload_adam plan",
+        description=textwrap.fill(
+            "What fits a machine, how fast it steps (seconds per step and the bounding term: GPU compute, PCIe, "
+            "the SSD or the CPU step), what it costs the machine (SSD writes, host memory left) and the code to "
+            "write. With --inference: tokens/s bounds per GPU budget for a model larger than the GPU.",
+            100,
+        ),
+        epilog=EPILOG,
+        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32),
+    )
+    ap.add_argument("--params", type=parse_count, required=True, metavar="N", help="model parameters: 13B, 7e9, 350M (required)")
+    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory per rank, GiB (required)")
+    ap.add_argument("--host-gb", type=float, required=True, help="host memory per rank, GiB (required)")
+    ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (default: 0, none)")
+    ap.add_argument("--inference", action="store_true", help="generation instead of training: tokens/s per GPU budget")
+    t = ap.add_argument_group("training")
+    t.add_argument("--world-size", type=int, default=1, help="ranks (GPUs), each with the memory above (default: 1)")
+    t.add_argument(
+        "--state-dtype", default=None, choices=["float32", "bfloat16", "uint8"],
+        help="the moments' dtype (uint8: 8-bit block-quantized, 1 B + 4 B per 256 elements); default: float32 in the "
+        "table, and the recommendation tries all three",
+    )  # fmt: skip
+    t.add_argument("--bf16-moments", action="store_true", help="the same as --state-dtype bfloat16")
+    t.add_argument(
+        "--master-dtype", default=None, choices=["float32", "bfloat16"],
+        help="bfloat16: streamed bf16 weights keep a 2-byte Kahan compensation instead of a 4-byte fp32 master; "
+        "default: float32 in the table, and the recommendation tries both",
+    )  # fmt: skip
+    t.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model (default: 50000000)")
+    t.add_argument("--tokens-per-step", type=parse_count, default=None, metavar="N", help="tokens per optimizer step, all ranks (with --gpu-tflops: the GPU's compute)")
+    t.add_argument("--gpu-tflops", type=_positive, default=None, help="TFLOP/s one GPU achieves on the model (not its peak)")
+    t.add_argument("--host-gbs", type=_positive, default=None, help="GB/s of host memory the CPU step reads and writes (default: calibration, else 35)")
+    w = ap.add_argument_group("both")
+    w.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring (default: 40)")
+    w.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers (default: 2)")
+    w.add_argument("--pcie-gbs", type=_positive, default=None, help="host-to-device GB/s (default: calibration, else 25)")
+    w.add_argument("--disk-gbs", type=_positive, default=None, help="SSD GB/s, reads and writes (default: calibration, else 3)")
+    i = ap.add_argument_group("inference")
+    i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the weights' dtype (default: bfloat16)")
+    i.add_argument("--reserve-gb", type=float, default=3.0, help="GPU GiB kept for the CUDA context, KV cache and activations (default: 3)")
+    return ap
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m offload_adam plan", description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=float, required=True, help="model parameters, e.g. 13e9")
-    ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory per rank, GiB")
-    ap.add_argument("--host-gb", type=float, required=True, help="host memory per rank, GiB")
-    ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (0: none)")
-    ap.add_argument("--world-size", type=int, default=1)
-    ap.add_argument(
-        "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8"],
-        help="the moments' dtype (uint8: 8-bit block-quantized, 1 B + 4 B per 256 elements)",
-    )  # fmt: skip
-    ap.add_argument("--bf16-moments", action="store_true", help="the same as --state-dtype bfloat16")
-    ap.add_argument(
-        "--master-dtype", default="float32", choices=["float32", "bfloat16"],
-        help="bfloat16: streamed bf16 weights keep a 2-byte Kahan compensation instead of a 4-byte fp32 master",
-    )  # fmt: skip
-    ap.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model")
-    ap.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring")
-    ap.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers")
+    ap = parser()
     args = ap.parse_args(argv)
     for name in ("layers", "world_size", "tensor_params"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.prefetch < 0:
         ap.error("--prefetch must be at least 0")
-    sd = torch.bfloat16 if args.bf16_moments else getattr(torch, args.state_dtype)
-    cfgs = configurations(
-        args.params, world=args.world_size, state_dtype=sd, tensor_params=args.tensor_params, layers=args.layers,
-        prefetch=args.prefetch, master_dtype=getattr(torch, args.master_dtype),
-    )  # fmt: skip
-    print(
-        f"{args.params / 1e9:.2f}B parameters, {args.world_size} rank(s) with {args.gpu_gb:g} GiB GPU, "
-        f"{args.host_gb:g} GiB host, {args.nvme_gb:g} GiB NVMe each; {str(sd).removeprefix('torch.')} moments, {args.master_dtype} masters; "
-        "activations not counted"
-    )
-    for c in cfgs:
-        short = [
-            what for what, need, have in (("GPU", c.gpu, args.gpu_gb), ("host", c.host, args.host_gb), ("NVMe", c.nvme, args.nvme_gb))
-            if need > have * GB
-        ]  # fmt: skip
-        verdict = "fits" if not short else "does not fit (" + ", ".join(short) + ")"
-        print(f"\n{c.name}: {verdict}")
-        print(
-            f"  per rank: GPU {c.gpu / GB:.1f} GiB, host {c.host / GB:.1f} GiB, NVMe {c.nvme / GB:.1f} GiB; "
-            f"per step: PCIe {c.pcie / GB:.1f} GiB, disk {c.disk / GB:.1f} GiB"
-        )
-        if c.note:
-            print(f"  {c.note}")
+    for name in ("gpu_gb", "host_gb", "nvme_gb", "reserve_gb"):
+        if not getattr(args, name) >= 0:
+            ap.error(f"--{name.replace('_', '-')} must be at least 0")
+    if (args.tokens_per_step is None) != (args.gpu_tflops is None):
+        ap.error("--tokens-per-step and --gpu-tflops go together (the GPU's compute needs both)")
+    try:
+        r = rates(args.pcie_gbs, args.disk_gbs, args.host_gbs)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.inference:
+        inference(args, r)
+    else:
+        train(args, r)
     return 0

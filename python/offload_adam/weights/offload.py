@@ -254,6 +254,7 @@ class WeightOffload:
         return out
 
     def reset_stats(self) -> None:
+        """Starts the counters of ``report()`` (bytes moved, times, loads) afresh."""
         self.streamer.reset_stats()
         if isinstance(self.source, NvmeWeights):
             self.source.stats = dict.fromkeys(self.source.stats, 0.0)
@@ -344,25 +345,47 @@ def offload_weights(
     prefetch: int = 2,
     blocks: list[torch.nn.Module] | None = None,
 ) -> WeightOffload:
-    """Keeps ``model``'s weights on the host and streams them to ``device`` block by block
-    (see the README, "Weights offloaded").
+    """Keeps ``model``'s weights on the host and streams them to ``device`` block by block,
+    ahead of need, for inference and for training (build the optimizer after this call; the step
+    then writes the host copy the next forward streams).
+
+    Each layer of a ``ModuleList`` of repeated layers is a block, and so is each other module
+    with parameters of its own. The device holds a ring of ``prefetch + 1`` slots of the largest
+    streamed block, plus the blocks kept resident within ``gpu_budget_gb``. Outside its block's
+    forward a streamed parameter reads NaN (never stale weights): read weights after ``close()``.
+
+    For example::
+
+        h = offload_adam.offload_weights(model, gpu_budget_gb=20)     # 24 GB card: most blocks stay
+        out = model.generate(input_ids.cuda(), max_new_tokens=64)
+        print(h.report()); h.close()                                  # weights back on the host
 
     Args:
         model: an ``nn.Module`` on the CPU with float32, bfloat16 or float16 parameters (or
             built with ``accelerate.init_empty_weights()``, with ``checkpoint``).
-        device: the device to run on (default: the current CUDA device; inside
+        device: the device to run on (default: None, the current CUDA device; inside
             ``offload_adam.testing.simulated_device()``, the simulated device).
-        storage: ``"cpu"`` (pinned host memory) or ``"nvme"`` (files under ``nvme_dir``).
-        nvme_dir: with ``storage="nvme"``: an existing directory on an SSD.
+        storage: where the streamed weights live (default: ``"cpu"``): ``"cpu"``, one pinned host
+            allocation of exactly their bytes; ``"nvme"``, a file under ``nvme_dir``, read ahead
+            by the I/O engine (for inference: training needs ``"cpu"``).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
+            (default: None).
         checkpoint: a ``.safetensors`` file or an HF folder (sharded index or not) to load the
-            weights from, into their storage, without materialising them.
-        gpu_budget_gb: GiB of device memory for the offload: whole blocks stay resident as far
-            as they fit after the ring (small blocks first, then layers); None streams every block.
-        prefetch: blocks copied ahead of the one running (0: none; the ring has prefetch + 1 slots).
-        blocks: the modules to stream as blocks (default: each layer of a ModuleList of
+            weights from, into their storage, without materialising them: a model built with
+            ``accelerate.init_empty_weights()`` then needs no RAM for a second copy (default:
+            None, the model's own weights).
+        gpu_budget_gb: GiB of device memory for the offload (default: None, which streams every
+            block: the slowest choice when most blocks would fit). Whole blocks stay resident as
+            far as they fit after the ring, small blocks first, then layers in order; leave room
+            for activations and the KV cache (``python -m offload_adam plan --inference`` sizes it).
+        prefetch: blocks copied ahead of the one running (default: 2; 0: none). The ring has
+            ``prefetch + 1`` slots.
+        blocks: the modules to stream as blocks (default: None, each layer of a ModuleList of
             repeated layers, and each other module with parameters of its own).
 
-    Returns the :class:`WeightOffload` handle. Every error is raised before anything changes.
+    Returns:
+        The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
+        manager). Every error is raised before anything changes.
     """
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")

@@ -10,7 +10,7 @@ measured from one step's start to the next's), the peak GPU memory, and for offl
 breakdown (backward, waiting for gradients, CPU step, issuing the copy-back, forward waits). It
 then checks the targets of the GPU-offload issue and writes everything as JSON.
 
-    python examples/gpu_bench.py [--layers 20 --d-model 2048] [--steps 12] [--json out.json]
+    python .ci/gpu_bench.py [--layers 20 --d-model 2048] [--steps 12] [--json out.json]
 """
 
 from __future__ import annotations

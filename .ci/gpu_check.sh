@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check, for a machine with CUDA and its own torch (python 3.12 there; torch is not
-# installed by this script). Build the abi3 wheel first (`make wheel`, on any machine: one
+# The GPU check, run from the repository root as `bash .ci/gpu_check.sh`, for a machine with CUDA
+# and its own torch (python 3.12 there; torch is not installed by this script). Build the abi3 wheel first (`make wheel`, on any machine: one
 # manylinux2014 wheel serves CPython >= 3.10), bring peers as wheels into .whl/ (torchao for the
 # optimizer bench; accelerate, diffusers and transformers for the weights), then run this from the
 # repository root. Results go under $OUT (at most 8 files, none in subfolders).
@@ -27,7 +27,7 @@ export PYTHONPATH=/tmp/oa_site${PYTHONPATH:+:$PYTHONPATH}
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   lscpu | grep -E "Model name|^CPU\(s\)"
-  python3 -c "import torch, offload_adam; print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), 'simd', offload_adam.simd_path())"
+  python3 -m offload_adam env
 } 2>&1 | tee "$OUT/env.txt"
 # The CUDA tests first (what has never run on a GPU); the rest of the suite last, with what is left.
 timeout "$(left 150)" python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda tests 2>&1 | tail -40 | tee "$OUT/tests.txt"
@@ -36,7 +36,7 @@ timeout "$(left 150)" python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda tes
 # findings 1, 5 and 10 among them). Its reports go to stderr: the tail keeps them.
 echo "--- TORCH_CUDA_SANITIZER=1" >> "$OUT/tests.txt"
 TORCH_CUDA_SANITIZER=1 timeout "$(left 150)" python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda -k "not second_gpu" tests/test_cuda.py 2>&1 | grep -E "CSAN|race|passed|failed|FAILED|Error" | tail -40 | tee -a "$OUT/tests.txt"
-timeout "$(left 120)" python3 examples/gpu_bench.py --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt"
+timeout "$(left 120)" python3 .ci/gpu_bench.py --json "$OUT/gpu_bench.json" 2>&1 | tee "$OUT/gpu_bench.txt"
 mkdir -p /tmp/oa_nvme
 {
   timeout "$(left 90)" python3 -m offload_adam bench --weights /tmp/oa_nvme --weights-gb 2 --rounds 3 2>&1 | tail -12

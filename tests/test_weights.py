@@ -423,7 +423,7 @@ def test_close_waits_for_a_forward_on_a_user_stream_before_freeing_the_ring() ->
     x = prompt(0)
     with testing.simulated_device(seed=0, max_delay_s=0.001) as sim:
         h = offload_adam.offload_weights(model, prefetch=0)  # (no copy queued after the pass waits its reads)
-        sizes = [s.buf.numel() for s in h.streamer.slots]
+        sizes = [s.buf.numel() for s in h.streamer.ring.slots]
         user = sim.stream()
         with sim.use_stream(user), torch.no_grad():
             model(x)
@@ -471,7 +471,7 @@ def test_autocast_keeps_no_copy_of_a_streamed_weight(arch: str) -> None:
         want = ref(x).logits
     with testing.simulated_device(seed=7, max_delay_s=0.001):
         h = offload_adam.offload_weights(model, prefetch=1)
-        watch = _Casts({s.buf.untyped_storage().data_ptr() for s in h.streamer.slots})
+        watch = _Casts({s.buf.untyped_storage().data_ptr() for s in h.streamer.ring.slots})
         with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
             with watch:
                 got = model(x).logits
@@ -596,3 +596,31 @@ def test_offloading_a_model_built_on_the_host_never_holds_it_twice() -> None:
     weights, grew, pinned = map(int, r.stdout.split())
     block = weights // 16
     assert pinned >= weights and grew <= 2 * block + (64 << 20), (grew / 2**20, weights / 2**20)
+
+
+def test_the_recorded_cycle_is_a_pure_order() -> None:
+    """weights/cycle.py, without a device: a training cycle's instances (a tied embedding/head
+    with a slot of its own is one instance across the cycle; a layer's consecutive activations
+    are one), a cycle that diverges is recorded when it ends, a fault keeps the old order."""
+    from offload_adam.weights.cycle import Cycle, plan
+
+    fwd_bwd = [0, 1, 2, 3, 3, 2, 1, 0]  # 0: tied embedding and head (own slot); 3: the last layer, twice in a row
+    inst, of_pos = plan(fwd_bwd, {0})
+    assert inst == [(0, 0, 7), (1, 1, 1), (2, 2, 2), (3, 3, 4), (2, 5, 5), (1, 6, 6)]
+    assert of_pos == [0, 1, 2, 3, 3, 4, 5, 0]
+    cy = Cycle(fwd_bwd, {0})
+    for b in fwd_bwd:
+        pos, planned, diverged = cy.advance(b)
+        assert planned and not diverged
+    assert cy.instance(3) == (3, 4) and cy.end() == (False, False)
+    assert cy.at(6 + 1) == (1, 1, 9, 9)  # instance 1 of the second cycle: block 1 at absolute position 9
+    # an eval pass: only the forward, another order
+    for k, b in enumerate([0, 1, 2, 3]):
+        _, planned, diverged = cy.advance(b)
+        assert planned and not diverged
+    assert cy.end() == (True, True) and cy.order == [0, 1, 2, 3]
+    cy.advance(0)
+    _, planned, diverged = cy.advance(2)  # diverges here
+    assert not planned and diverged
+    cy.faulted = True
+    assert cy.end() == (True, False) and cy.order == [0, 1, 2, 3]  # a fault: the old order stays

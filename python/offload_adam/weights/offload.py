@@ -18,7 +18,8 @@ from ..runtime.pinned import PinnedArena
 from .blocks import Block, find_blocks
 from .checkpoint import Checkpoint
 from .storage import HostWeights, NvmeWeights
-from .streamer import Streamer, placeholders
+from .loader import placeholders
+from .streamer import Streamer
 
 GiB = 1 << 30
 STORAGES = ("cpu", "nvme")
@@ -26,7 +27,7 @@ ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streame
 
 
 def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int) -> int:
-    """Device bytes of the streaming ring for ``streamed`` blocks (see ``streamer.py``)."""
+    """Device bytes of the streaming ring for ``streamed`` blocks (see ``ring.py``)."""
     general = [blocks[b].nbytes for b in streamed if b not in own]
     return min(prefetch + 1, len(general)) * max(general, default=0) + sum(blocks[b].nbytes for b in streamed if b in own)
 
@@ -308,7 +309,7 @@ class WeightOffload:
             try:
                 self.source.close()
             finally:
-                self.streamer.placeholders = self.placeholders = {}
+                self.streamer.loader.placeholders = self.placeholders = {}
                 if getattr(self.model, ATTR, None) is self:
                     delattr(self.model, ATTR)
         if lost:

@@ -1,36 +1,30 @@
 """The streamer: streamed blocks copied into a static ring of device slots just before they run,
-in the forward and, for training, again in the backward.
-
-The ring is allocated once: ``min(prefetch + 1, streamed blocks)`` general slots, each the size
-of the largest streamed block run by one module, and one slot of its own for each streamed block
-that stays needed while other blocks run (run by several modules, as a tied embedding and head;
-or holding parameters of a module that calls other blocks). No allocation happens afterwards.
+in the forward and, for training, again in the backward. It joins three pieces, each in a file of
+its own: the ring of device slots (``ring.py``), the recorded cycle that says what runs next
+(``cycle.py``, a pure order) and the per-block loader (``loader.py``); what it adds is the glue
+to the module schedule, the backward and the optimizer's fences.
 
 It subscribes to the module schedule (``runtime/schedule.py``). When a block's module starts its
 forward (an *activation*), the block's parameters become views of its slot and the compute
 stream waits for the block's copy event with a stream wait (never a host wait); when it ends,
 they point to a placeholder that holds no device memory (a NaN scalar expanded to their shape,
 so a read outside the block's forward gives NaN, never stale weights), and an event recorded on
-the compute stream marks the slot free: the next copy into it waits for that event on the
-host-to-device stream.
+the compute stream marks the slot's last use: the next copy into it waits for that event.
 
 Training. While grad mode is on, a block's forward runs under saved-tensor hooks: a tensor
 autograd saves that lies in a slot (a weight, or a view of one) is saved as a token (block,
-offset, shape), anything else goes to the hooks outside (a ``torch.utils.checkpoint`` region's,
-an activation offload's) or is kept. In the backward, unpacking a token activates the block again
-(loaded if needed, prefetched in backward order) and gives a view of its slot; a block stays
-active in the backward until another block is activated (or the backward ends), then its slot is
-freed as in the forward. A checkpointed block's recompute runs its forward inside the backward:
-that activation and the backward's own are one, so the block crosses once for both.
+offset, shape), a cast of a slot's parameter (autocast's) as a token that casts again, anything
+else goes to the hooks outside (a ``torch.utils.checkpoint`` region's, an activation offload's)
+or is kept. In the backward, unpacking a token activates the block again (loaded if needed,
+prefetched in backward order) and gives a view of its slot; a block stays active in the backward
+until another block is activated (or the backward ends), then its slot is freed as in the
+forward. A checkpointed block's recompute runs its forward inside the backward: that activation
+and the backward's own are one, so the block crosses once for both.
 
-Prefetch follows the *cycle* recorded: the activations from the start of a forward to the end of
-its backward (or of the forward, in inference). Each activation is an *instance* of its block (a
-block with a slot of its own has one per cycle, from its first activation to its last; an
-activation of the block active just before is the same instance), loaded in order; at the
-activation of instance g, the instances up to g + ``prefetch`` are queued into free slots,
-cyclically (the next cycle's first blocks during the last ones). A cycle whose activations differ
-from the recorded one (or the first, whose order is a guess from the model's module order) loads
-what it needs on demand, is exact all the same, and is recorded as the new one. Reads of a block's
+Prefetch follows the cycle recorded (``cycle.py``): at the activation of instance g, the
+instances up to g + ``prefetch`` are queued into free slots, cyclically (the next cycle's first
+blocks during the last ones). A cycle whose activations differ from the recorded one loads what
+it needs on demand, is exact all the same, and is recorded as the new one. Reads of a block's
 parameters by other modules (a parent reading a child's weight) are found on recorded passes.
 
 Blocks whose weights an optimizer rewrites (``runtime/hosted.py``): a block is copied only once
@@ -41,15 +35,13 @@ backward (a step is to come: the copies would be stale).
 Where a block's bytes come from is its *source* (``storage.py``): pinned host memory, or NVMe
 pages read ahead into pinned staging slots (an NVMe read is the one wait done on the host).
 """
-
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -58,52 +50,17 @@ from ..runtime.device import Device, Meter, refuse_capture
 from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
 from .blocks import Block
+from .cycle import Cycle
+from .loader import Loader, Source
+from .ring import Ring, Slot
 
 log = logging.getLogger("offload_adam")
-
-
-class Source(Protocol):
-    """Where streamed blocks' bytes live on the host."""
-
-    def start(self, b: Block) -> bool:
-        """Starts bringing ``b``'s bytes into host memory (read ahead); False: no room now."""
-        ...
-
-    def host(self, b: Block) -> Tensor:
-        """``b``'s bytes in pinned host memory (waits for a read), a uint8 tensor."""
-        ...
-
-    def done(self, b: Block, event: Any) -> None:
-        """The copy reading :meth:`host` of ``b`` completes at ``event``."""
-        ...
-
-    def reset(self) -> None:
-        """After a fault: forgets what was read ahead."""
-        ...
-
-
-@dataclass(eq=False)
-class _Slot:
-    buf: Tensor  # uint8 device memory
-    own: int | None = None  # the block this slot is reserved for, if any
-    block: int | None = None  # the block loaded (or being loaded) into it
-    free_event: Any = None  # compute-stream event after the last use of its previous block
-    copy_event: Any = None  # the last copy into it (demand loads and prefetches use two streams)
-    views: dict[int, list[Tensor]] = field(default_factory=dict)  # block -> its parameters in this slot
-    typed: dict[torch.dtype, Tensor] = field(default_factory=dict)  # the slot seen as each dtype
-
-    def as_dtype(self, dtype: torch.dtype) -> Tensor:
-        t = self.typed.get(dtype)
-        if t is None:
-            es = torch.empty((), dtype=dtype).element_size()
-            t = self.typed[dtype] = self.buf[: self.buf.numel() // es * es].view(dtype)
-        return t
 
 
 @dataclass
 class _Loaded:
     g: int  # the instance (cycle * instances per cycle + index); -1: loaded on demand
-    slot: _Slot
+    slot: Slot
     event: Any  # its copy's completion
     last: int  # absolute position of its last planned activation (-1: release after this one)
     versions: tuple[int, ...]  # its host copies' versions when copied
@@ -144,48 +101,6 @@ class _Outer:
     unpack: Callable[[Any], Tensor]
 
 
-def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[int, list[Tensor]]:
-    """What each parameter of ``blocks`` points to outside its block's forward: one NaN of its
-    dtype on the device, expanded to its shape (no memory of its own)."""
-    nan: dict[torch.dtype, Tensor] = {}
-    out: dict[int, list[Tensor]] = {}
-    for b in blocks:
-        ph = []
-        for e in b.entries:
-            if e.param.dtype not in nan:
-                nan[e.param.dtype] = device.empty(1, e.param.dtype, meter).fill_(float("nan")).view(())
-            ph.append(nan[e.param.dtype].expand(e.param.shape))
-        out[b.index] = ph
-    return out
-
-
-def plan(order: Sequence[int], own: set[int]) -> tuple[list[tuple[int, int, int]], list[int]]:
-    """The instances of one cycle of ``order`` (block, first position, last position), in the
-    order they are loaded, and the instance of each position. A block with a slot of its own
-    has one instance per cycle; any other block one per run of consecutive activations."""
-    span: dict[int, list[int]] = {}
-    for pos, b in enumerate(order):
-        if b in own:
-            span.setdefault(b, [pos, pos])[1] = pos
-    inst: list[tuple[int, int, int]] = []
-    of_pos: list[int] = []
-    first: dict[int, int] = {}
-    for pos, b in enumerate(order):
-        if b in own:
-            if b not in first:
-                first[b] = len(inst)
-                inst.append((b, span[b][0], span[b][1]))
-            of_pos.append(first[b])
-        elif pos and order[pos - 1] == b:
-            j = of_pos[-1]
-            inst[j] = (b, inst[j][1], pos)
-            of_pos.append(j)
-        else:
-            of_pos.append(len(inst))
-            inst.append((b, pos, pos))
-    return inst, of_pos
-
-
 def _in_backward() -> bool:
     return bool(torch._C._current_graph_task_id() != -1)
 
@@ -211,16 +126,12 @@ class Streamer:
         self.blocks = blocks
         self.source = source
         self.prefetch = prefetch
-        self.meter = meter
         self.streamed = set(streamed)
         self.own = own & self.streamed
         self.homes = homes or {}
-        general = [b for b in streamed if b not in self.own]
-        self.slot_bytes = max((blocks[b].nbytes for b in general), default=0)
-        self.slots = [_Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(min(prefetch + 1, len(general)))]
-        self.slots += [_Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(self.own)]
-        self._index_slots()
-        self.placeholders = placeholders
+        self.ring = Ring(device, meter, blocks, streamed, self.own, prefetch)
+        self.loader = Loader(device, blocks, source, placeholders, self.homes)
+        self.cycle = Cycle([b for b in guess if b in self.streamed], self.own)
         self.trigger: dict[int, int] = {id(m): b for b in streamed for m in blocks[b].modules}
         # Every module inside a streamed block: a recompute that runs a block's forward without
         # its module's hooks (transformers checkpoints `forward`, not `__call__`) is seen there.
@@ -233,113 +144,58 @@ class Streamer:
         self.readers: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
         self.reading: dict[int, list[int]] = {}  # id(module) -> blocks activated for its reads, this pass
         self.pushed: dict[int, int] = {}  # id(module) -> saved-tensor hooks it pushed (to pop after it)
-        # The cycle recorded, and where this one is in it.
-        self.order: list[int] = [b for b in guess if b in self.streamed]
-        self.inst, self.of_pos = plan(self.order, self.own)
-        self.ncycle = 0
-        self.pos = 0
-        self.seen: list[int] = []
-        self.mismatch = False
-        self.faulted = False
         self.in_cycle = False  # activations since the last cycle ended
         self.graph = False  # this cycle's forward built a graph: a backward may follow
         self.backward = False  # this cycle's backward has started
         self.trained = False  # this cycle had a backward (a step may follow)
-        self.next_load = 0
         self.loaded: dict[int, _Loaded] = {}
         self.active: dict[int, int] = {}
         self.open: set[int] = set()  # active in the backward until another block is
         self.act_pos: dict[int, int] = {}
-        self.reset_stats()
         self.started: dict[int, int] = {}  # recording: id(module) -> where its forward started in `seen`
         self.recording = False
         self.sub = SCHEDULE.subscribe(self)
         self._record()
+
+    @property
+    def order(self) -> list[int]:
+        """The cycle recorded: the blocks' activations from a forward's start to its backward's end."""
+        return self.cycle.order
+
+    @property
+    def stats(self) -> dict[str, int]:
+        return self.loader.stats
 
     def _record(self) -> None:
         """The next pass records reads (a module reading another block's parameters)."""
         self.sub.record_next()
         self.recording = True
 
-    def _index_slots(self) -> None:
-        self.slot_of_ptr = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
+    # -- slots ----------------------------------------------------------------------------------
 
-    # -- the ring -------------------------------------------------------------------------------
-
-    def _views(self, slot: _Slot, b: int) -> list[Tensor]:
-        v = slot.views.get(b)
-        if v is None:
-            v = slot.views[b] = [e.view(slot.buf) for e in self.blocks[b].entries]
-        return v
-
-    def _point(self, b: int, slot: _Slot | None) -> None:
-        views = self.placeholders[b] if slot is None else self._views(slot, b)
-        for e, v in zip(self.blocks[b].entries, views):
-            e.param.data = v
-
-    def _versions(self, b: int) -> tuple[int, ...]:
-        return tuple(h.version for h in self.homes.get(b, ()))
-
-    def _free_slot(self, b: int) -> _Slot | None:
-        for s in self.slots:
-            if s.block is None and (s.own == b if b in self.own else s.own is None):
-                return s
-        return None
-
-    def _evict_for(self, b: int) -> _Slot:
+    def _evict_for(self, b: int) -> Slot:
         """A slot for ``b`` when none is free: one holding a block not running (the one needed
         last), else a new one (the ring grows: a forward holds more blocks at once than it has)."""
-        cands = [(ld.g, c) for c, ld in self.loaded.items() if c not in self.active and (ld.slot.own == b if b in self.own else ld.slot.own is None)]
+        cands = [(ld.g, c) for c, ld in self.loaded.items() if c not in self.active and self.ring.serves(ld.slot, b)]
         if cands:
             _, c = max(cands)
             slot = self.loaded.pop(c).slot
             slot.block = None
             return slot
-        size = self.blocks[b].nbytes
-        log.warning(
-            "offload_adam: offload_weights: block %s needed while every slot of the ring is in use; the ring grows by %d bytes",
-            self.blocks[b].name, size,
-        )  # fmt: skip
-        slot = _Slot(self.device.empty(size, torch.uint8, self.meter), own=b if b in self.own else None)
-        if b not in self.own:
-            self.slot_bytes = max(self.slot_bytes, size)
-        self.slots.append(slot)
-        self._index_slots()
-        return slot
+        return self.ring.grow(b)
 
-    def _load(self, b: int, g: int, last: int, slot: _Slot | None = None, now: bool = False) -> _Loaded:
-        """Queues the copy of block ``b`` into a slot (after that slot's last use, and its last
-        copy), once its host copies are not being written (an optimizer's step). ``now``: needed
-        at once (not a prefetch): on the device's priority stream, never behind a prefetch."""
-        dev = self.device
-        stream = dev.h2d_now if now else dev.h2d
+    def _load(self, b: int, g: int, last: int, slot: Slot | None = None, now: bool = False) -> _Loaded:
+        """Queues the copy of block ``b`` into a slot (see ``loader.py``). ``now``: needed at once
+        (not a prefetch): on the device's priority stream, never behind a prefetch."""
         if slot is None:
-            slot = self._free_slot(b) or self._evict_for(b)
-        blk = self.blocks[b]
-        for h in self.homes.get(b, ()):
-            h.ready.wait()
+            slot = self.ring.free(b) or self._evict_for(b)
         try:
-            host = self.source.host(blk)
+            event = self.loader.copy(b, slot, now)
         except BaseException:
             self._fault()
             raise
-        dev.stream_waits(stream, slot.free_event)
-        dev.stream_waits(stream, slot.copy_event)  # (a copy of a block dropped, maybe on the other stream)
-        e0 = dev.record(stream, timing=True)
-        with torch.profiler.record_function("offload_adam.weights_h2d"):
-            dev.copy([(slot.buf[: blk.nbytes], host[: blk.nbytes])], stream)
-        e1 = dev.record(stream, timing=True)
-        slot.copy_event = e1
-        self.source.done(blk, e1)
-        self._copies.append((e0, e1))
-        self.stats["h2d_bytes"] += blk.nbytes
-        self.stats["loads"] += 1
-        slot.block = b
-        ld = self.loaded[b] = _Loaded(g, slot, e1, last, self._versions(b))
+        ld = self.loaded[b] = _Loaded(g, slot, event, last, self.loader.versions(b))
         return ld
-
-    def _abs(self, pos: int) -> int:
-        return self.ncycle * len(self.order) + pos
 
     def _prefetch(self, g: int, after_backward: bool = False) -> None:
         """Queues the instances after ``g`` up to ``g + prefetch``, in order, while slots are free
@@ -347,31 +203,31 @@ class Streamer:
         into staging slots). ``after_backward``: from the end of a backward, the next cycle's
         blocks whose host copies an optimizer writes are left for later (loaded at their
         activation, once written)."""
-        n = len(self.inst)
+        cy = self.cycle
+        n = len(cy.inst)
         if not n:
             return
-        self.next_load = max(self.next_load, g + 1)
-        while self.next_load <= g + self.prefetch:
-            j, p = self.next_load % n, self.next_load // n
-            b, first, last = self.inst[j]
+        cy.next_load = max(cy.next_load, g + 1)
+        while cy.next_load <= g + self.prefetch:
+            b, p, first, last = cy.at(cy.next_load)
             homes = self.homes.get(b, ())
             if homes and not all(h.ready.is_set() for h in homes):
                 break  # its step has not written it yet: loaded when it is needed
-            if homes and (after_backward or (p > self.ncycle and self.trained)) and any(h.written for h in homes):
+            if homes and (after_backward or (p > cy.ncycle and self.trained)) and any(h.written for h in homes):
                 break  # the next cycle's, after a backward: a step is to come, a copy now would be stale
             ld = self.loaded.get(b)
             if ld is not None:
-                if b in self.active or ld.last >= p * len(self.order) + first:
-                    self.next_load += 1  # still there when that instance comes (a nested activation)
+                if b in self.active or ld.last >= first:
+                    cy.next_load += 1  # still there when that instance comes (a nested activation)
                     continue
                 break  # released before it is needed again: loaded after
-            slot = self._free_slot(b)
+            slot = self.ring.free(b)
             if slot is None:
                 break
-            self._load(b, self.next_load, p * len(self.order) + last, slot)
-            self.next_load += 1
-        for k in range(self.next_load, self.next_load + self.prefetch + 1):
-            b = self.inst[k % n][0]
+            self._load(b, cy.next_load, last, slot)
+            cy.next_load += 1
+        for k in range(cy.next_load, cy.next_load + self.prefetch + 1):
+            b = cy.inst[k % n][0]
             if b not in self.loaded and not self.source.start(self.blocks[b]):
                 break
 
@@ -385,8 +241,8 @@ class Streamer:
         order recorded before (not this cycle's, which stops at the fault)."""
         self._cancel()
         self.source.reset()
-        self.mismatch = True
-        self.faulted = True
+        self.cycle.mismatch = True
+        self.cycle.faulted = True
 
     # -- activations ----------------------------------------------------------------------------
 
@@ -395,44 +251,31 @@ class Streamer:
         what is loaded is stale), the compute stream waiting for its copy, its parameters views
         of its slot; the instances ahead queued. ``at``: the position of the cycle it belongs to,
         if not the next one (a read found mid-way belongs where its module started)."""
-        if not self.in_cycle:
-            self.in_cycle = True
-        pos = self.pos
-        self.pos += 1
-        if at is None:
-            self.seen.append(b)
-        else:
-            self.seen.insert(at, b)
-            self.mismatch = True  # the order of this cycle is being discovered
-        planned = not self.mismatch and pos < len(self.order) and self.order[pos] == b
-        if not planned and not self.mismatch:
-            self.mismatch = True
+        self.in_cycle = True
+        pos, planned, diverged = self.cycle.advance(b, at)
+        if diverged:
             self._cancel()
         ld = self.loaded.get(b)
-        if ld is not None and b not in self.active and ld.versions != self._versions(b):
+        if ld is not None and b not in self.active and ld.versions != self.loader.versions(b):
             self.loaded.pop(b).slot.block = None  # copied before its host copies were written
             ld = None
         g = -1
         if planned:
-            j = self.of_pos[pos]
-            g = self.ncycle * len(self.inst) + j
+            g, last = self.cycle.instance(pos)
             if ld is None or ld.g != g:
                 if ld is not None and b not in self.active:
                     self.loaded.pop(b).slot.block = None
                 if b not in self.loaded:  # not prefetched (prefetch 0, or no slot was free)
-                    ld = self._load(b, g, self._abs(self.inst[j][2]), now=True)
+                    ld = self._load(b, g, last, now=True)
                 ld = self.loaded[b]
         elif ld is None:
-            self.stats["on_demand"] += 1
+            self.loader.stats["on_demand"] += 1
             ld = self._load(b, -1, -1, now=True)
         if b not in self.active:
-            dev = self.device
-            e0 = dev.record_current(timing=True)
-            dev.current_waits(ld.event)
-            self._stalls.append((e0, dev.record_current(timing=True)))
-            self._point(b, ld.slot)
+            self.loader.wait(ld.event)
+            self.loader.point(b, ld.slot)
         self.active[b] = self.active.get(b, 0) + 1
-        self.act_pos[b] = self._abs(pos)
+        self.act_pos[b] = self.cycle.abs(pos)
         if planned:
             self._prefetch(g)
         return ld
@@ -441,7 +284,7 @@ class Streamer:
         """``b`` stops running: its parameters point to their placeholders; its slot is freed
         (after the work queued so far) at its instance's last activation."""
         del self.active[b]
-        self._point(b, None)
+        self.loader.point(b, None)
         ld = self.loaded.get(b)
         if ld is None:
             return
@@ -449,7 +292,7 @@ class Streamer:
         # activation can still lose its slot without running again (a cancel, an eviction, a
         # stale copy dropped), and the next copy into it must follow this use.
         ld.slot.free_event = self.device.record_current()
-        if self.mismatch or ld.last <= self.act_pos.get(b, 0):
+        if self.cycle.mismatch or ld.last <= self.act_pos.get(b, 0):
             ld.slot.block = None
             del self.loaded[b]
 
@@ -514,23 +357,15 @@ class Streamer:
         self.reading.clear()
         self.started.clear()
         self.recording = False
-        changed = self.mismatch or self.seen != self.order
+        changed, recorded = self.cycle.end()
         if changed:
             self._cancel()
-            if not self.faulted and self.seen:
-                self.order = self.seen
-                self.inst, self.of_pos = plan(self.order, self.own)
-                self._record()
-        self.seen = []
-        self.mismatch = self.faulted = False
+        if recorded:
+            self._record()
         self.in_cycle = self.graph = False
-        self.ncycle += 1
-        self.pos = 0
-        self.stats["passes"] += 1
-        self._fold()
-        first = self.ncycle * len(self.inst)
-        if changed:
-            self.next_load = first
+        self.loader.stats["passes"] += 1
+        self.loader.fold()
+        first = self.cycle.ncycle * len(self.cycle.inst)
         self._prefetch(first - 1, after_backward=self.trained)  # the next cycle's first blocks, meanwhile
         self.trained = False
 
@@ -542,12 +377,12 @@ class Streamer:
 
         def pack(t: Tensor) -> Any:
             s = me()
-            slot = s.slot_of_ptr.get(t.untyped_storage().data_ptr()) if s is not None else None
+            slot = s.ring.of_storage(t.untyped_storage().data_ptr()) if s is not None else None
             if s is not None and slot is not None and slot.block is not None and t.device == slot.buf.device:
                 b = slot.block
                 es = t.element_size()
                 off = t.data_ptr() - slot.buf.data_ptr()
-                return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s._versions(b))
+                return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s.loader.versions(b))
             cast = s._cast_of(t) if s is not None else None
             if cast is not None:
                 return cast
@@ -581,10 +416,10 @@ class Streamer:
         if where is None or where[0] not in self.active or base.shape != var.shape:
             return None
         b, k = where
-        return _Cast(b, k, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), self._versions(b))
+        return _Cast(b, k, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), self.loader.versions(b))
 
     def _unpack(self, tok: _Token | _Cast) -> Tensor:
-        if tok.versions != self._versions(tok.block):
+        if tok.versions != self.loader.versions(tok.block):
             raise RuntimeError(
                 f"offload_adam: the weights of block {self.blocks[tok.block].name} were written (an optimizer step) "
                 "between the forward that used them and its backward"
@@ -592,7 +427,7 @@ class Streamer:
         self._bwd_activate(tok.block)
         slot = self.loaded[tok.block].slot
         if isinstance(tok, _Cast):
-            cast = self._views(slot, tok.block)[tok.entry].to(tok.dtype)
+            cast = self.loader.views(slot, tok.block)[tok.entry].to(tok.dtype)
             return torch.as_strided(cast, tok.size, tok.stride, tok.offset)
         return torch.as_strided(slot.as_dtype(tok.dtype), tok.size, tok.stride, tok.offset)
 
@@ -600,7 +435,7 @@ class Streamer:
 
     def pre_forward(self, module: torch.nn.Module) -> None:
         if self.recording:
-            self.started[id(module)] = len(self.seen)
+            self.started[id(module)] = len(self.cycle.seen)
         b = self.trigger.get(id(module))
         if b is not None:
             refuse_capture(self.device, "offload_weights")
@@ -660,7 +495,7 @@ class Streamer:
         # Read by a module that is not the block's: loaded now (the call has not run yet), and
         # from the next pass on when that module starts.
         self.readers.setdefault(module, set()).add(key)
-        self.activate(key, at=self.started.get(id(module), len(self.seen)))
+        self.activate(key, at=self.started.get(id(module), len(self.cycle.seen)))
         self.reading.setdefault(id(module), []).append(key)
 
     def pass_ended(self, recorded: bool) -> None:
@@ -673,42 +508,15 @@ class Streamer:
     # -- reports --------------------------------------------------------------------------------
 
     def reset_stats(self) -> None:
-        self.stats = {"h2d_bytes": 0, "loads": 0, "on_demand": 0, "passes": 0}
-        self._copies: list[tuple[Any, Any]] = []  # (start, end) of copies not yet counted
-        self._stalls: list[tuple[Any, Any]] = []  # compute stream before and after a wait
-        self._h2d_s = self._stall_s = 0.0
-
-    def _fold(self) -> None:
-        """Counts the timings that have completed (and drops their events)."""
-        dev = self.device
-        for pairs, attr in ((self._copies, "_h2d_s"), (self._stalls, "_stall_s")):
-            keep = []
-            total = getattr(self, attr)
-            for a, b in pairs:
-                t = dev.elapsed(a, b)
-                if t is None:
-                    keep.append((a, b))
-                else:
-                    total += t
-            pairs[:] = keep
-            setattr(self, attr, total)
+        self.loader.reset_stats()
 
     def timings(self) -> tuple[float, float]:
-        """(seconds the copies took, seconds compute waited for them) since the last reset;
-        waits for the copies in flight."""
-        dev = self.device
-        for _, e in self._copies:  # (on two streams: the last queued is not the last to run)
-            dev.host_wait(e)
-        t0 = time.perf_counter()
-        self._fold()
-        while (self._copies or self._stalls) and time.perf_counter() - t0 < 10:
-            time.sleep(0.001)
-            self._fold()
-        return self._h2d_s, self._stall_s
+        """(seconds the copies took, seconds compute waited for them) since the last reset."""
+        return self.loader.timings()
 
     @property
     def ring_bytes(self) -> int:
-        return sum(s.buf.numel() for s in self.slots)
+        return self.ring.nbytes
 
     def close(self) -> None:
         self.sub.cancel()
@@ -716,5 +524,5 @@ class Streamer:
         self.loaded.clear()
         self.active.clear()
         self.open.clear()
-        self.slots.clear()
-        self.slot_of_ptr.clear()  # the ring's memory goes with its last reference
+        self.ring.clear()  # the ring's memory goes with its last reference
+        self.loader.placeholders = {}

@@ -1,0 +1,99 @@
+"""The ring: the device slots streamed blocks are copied into, allocated once (vLLM's
+``StaticBufferPool``).
+
+``min(prefetch + 1, general blocks)`` general slots, each the size of the largest block it
+serves, and one slot of its own for each block that stays needed while other blocks run (run by
+several modules, as a tied embedding and head; or holding parameters of a module that calls other
+blocks). A slot remembers the event after its last use on the compute stream (``free_event``)
+and its last copy (``copy_event``): the next copy into it waits for both. Nothing is allocated
+afterwards, unless a forward holds more blocks at once than the ring has slots (it grows, with a
+warning).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..runtime.device import Device, Meter
+from .blocks import Block
+
+log = logging.getLogger("offload_adam")
+
+
+@dataclass(eq=False)
+class Slot:
+    buf: Tensor  # uint8 device memory
+    own: int | None = None  # the block this slot is reserved for, if any
+    block: int | None = None  # the block loaded (or being loaded) into it
+    free_event: Any = None  # compute-stream event after the last use of its previous block
+    copy_event: Any = None  # the last copy into it (demand loads and prefetches use two streams)
+    views: dict[int, list[Tensor]] = field(default_factory=dict)  # block -> its parameters in this slot
+    typed: dict[torch.dtype, Tensor] = field(default_factory=dict)  # the slot seen as each dtype
+
+    def as_dtype(self, dtype: torch.dtype) -> Tensor:
+        t = self.typed.get(dtype)
+        if t is None:
+            es = torch.empty((), dtype=dtype).element_size()
+            t = self.typed[dtype] = self.buf[: self.buf.numel() // es * es].view(dtype)
+        return t
+
+
+class Ring:
+    """The slots of ``blocks`` streamed on ``device`` (see the module documentation)."""
+
+    def __init__(self, device: Device, meter: Meter, blocks: list[Block], streamed: list[int], own: set[int], prefetch: int) -> None:
+        self.device = device
+        self.meter = meter
+        self.blocks = blocks
+        self.own = own
+        general = [b for b in streamed if b not in own]
+        self.slot_bytes = max((blocks[b].nbytes for b in general), default=0)
+        self.slots = [Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(min(prefetch + 1, len(general)))]
+        self.slots += [Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(own)]
+        self._index()
+
+    def _index(self) -> None:
+        self.by_ptr = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
+
+    def serves(self, slot: Slot, b: int) -> bool:
+        """Whether ``slot`` may hold block ``b`` (its own slot, or a general one)."""
+        return slot.own == b if b in self.own else slot.own is None
+
+    def free(self, b: int) -> Slot | None:
+        """A slot for ``b`` that holds nothing, if any."""
+        for s in self.slots:
+            if s.block is None and self.serves(s, b):
+                return s
+        return None
+
+    def grow(self, b: int) -> Slot:
+        """A new slot for ``b``: a forward holds more blocks at once than the ring has slots."""
+        size = self.blocks[b].nbytes
+        log.warning(
+            "offload_adam: offload_weights: block %s needed while every slot of the ring is in use; the ring grows by %d bytes",
+            self.blocks[b].name, size,
+        )  # fmt: skip
+        slot = Slot(self.device.empty(size, torch.uint8, self.meter), own=b if b in self.own else None)
+        if b not in self.own:
+            self.slot_bytes = max(self.slot_bytes, size)
+        self.slots.append(slot)
+        self._index()
+        return slot
+
+    def of_storage(self, ptr: int) -> Slot | None:
+        """The slot whose memory starts at ``ptr`` (a tensor's storage), if any."""
+        return self.by_ptr.get(ptr)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.buf.numel() for s in self.slots)
+
+    def clear(self) -> None:
+        """Drops the slots (their memory goes with the last reference)."""
+        self.slots.clear()
+        self.by_ptr.clear()

@@ -13,6 +13,9 @@
 //! mantissa bits), which holds at most one code boundary (checked when the table is built): the
 //! entry is the code at the bucket's start and the low 16 bits of the float where the next code
 //! begins, compared with the float's own low bits.
+//!
+//! The block loop ([`body`], [`update_ref`]) serves every block codec ([`Codec`]): this module's
+//! dynamic maps and the fp8 codec of `fp8.rs`.
 
 use std::sync::OnceLock;
 
@@ -26,6 +29,52 @@ pub const QBLOCK: usize = 256;
 /// torchao (after bitsandbytes) quantizes a tensor's moments only from this many elements, and
 /// only if they divide into blocks; other tensors keep unquantized moments.
 pub const MIN_NUMEL: usize = 4096;
+
+/// How one quantization block of a moment is stored: codes and one float32 per block (the
+/// dynamic maps' absmax, the fp8 codec's scale).
+pub trait Codec: Sync + 'static {
+    /// The codec of `exp_avg`.
+    fn first() -> &'static Self;
+    /// The codec of `exp_avg_sq` and `max_exp_avg_sq`.
+    fn second() -> &'static Self;
+    /// The specification: quantizes `x` into `codes`, returns the block's float.
+    fn quantize_ref(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32;
+    /// The same codes and float as [`Codec::quantize_ref`], on path `I`.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    unsafe fn quantize<I: Isa>(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32;
+    /// The block's values from its codes and float `s`, on path `I`.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    unsafe fn dequantize<I: Isa>(&self, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]);
+}
+
+impl Codec for Map {
+    #[inline(always)]
+    fn first() -> &'static Self {
+        signed()
+    }
+    #[inline(always)]
+    fn second() -> &'static Self {
+        unsigned()
+    }
+    #[inline(always)]
+    fn quantize_ref(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
+        quantize_block_ref(self, x, codes)
+    }
+    #[inline(always)]
+    unsafe fn quantize<I: Isa>(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { quantize_block::<I>(self, x, codes) }
+    }
+    #[inline(always)]
+    unsafe fn dequantize<I: Isa>(&self, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
+        // SAFETY: the caller's contract.
+        unsafe { dequantize_block::<I>(self, codes, s, out) }
+    }
+}
 
 /// One dynamic map, with the lookup tables of the fast quantizer.
 pub struct Map {
@@ -208,20 +257,20 @@ pub unsafe fn dequantize_block<I: Isa>(map: &Map, codes: &[u8; QBLOCK], s: f32, 
 
 /// Quantizes `x` (a multiple of [`QBLOCK`] elements) into `codes` and `absmax` (conversions
 /// of loaded state: the portable path, the same codes as every path).
-pub fn quantize(map: &Map, x: &[f32], codes: &mut [u8], scales: &mut [f32]) {
+pub fn quantize<C: Codec>(map: &C, x: &[f32], codes: &mut [u8], scales: &mut [f32]) {
     let (xb, codes) = (x.as_chunks::<QBLOCK>().0, codes.as_chunks_mut::<QBLOCK>().0);
     for ((x, c), s) in xb.iter().zip(codes).zip(scales) {
         // SAFETY: the portable path runs on every CPU.
-        *s = unsafe { quantize_block::<Generic>(map, x, c) };
+        *s = unsafe { map.quantize::<Generic>(x, c) };
     }
 }
 
-/// Dequantizes `codes` and `absmax` into `out`.
-pub fn dequantize(map: &Map, codes: &[u8], scales: &[f32], out: &mut [f32]) {
+/// Dequantizes `codes` and `absmax` (or scales) into `out`.
+pub fn dequantize<C: Codec>(map: &C, codes: &[u8], scales: &[f32], out: &mut [f32]) {
     let (cb, ob) = (codes.as_chunks::<QBLOCK>().0, out.as_chunks_mut::<QBLOCK>().0);
     for ((c, o), &s) in cb.iter().zip(ob).zip(scales) {
         // SAFETY: the portable path runs on every CPU.
-        unsafe { dequantize_block::<Generic>(map, c, s, o) };
+        unsafe { map.dequantize::<Generic>(c, s, o) };
     }
 }
 
@@ -276,21 +325,21 @@ fn element<const AMS: bool, const DELTA: bool>(
 /// Lane blocks per quantization block.
 const SUB: usize = QBLOCK / LANES;
 
-/// One quantization block's codes, absmax and dequantized values.
-struct Moment<'s, 'a> {
+/// One quantization block's codes, float (absmax or scale) and dequantized values.
+struct Moment<'s, 'a, C: Codec> {
     m: &'s mut Q8Mut<'a>,
-    map: &'static Map,
+    map: &'static C,
     x: [f32; QBLOCK],
 }
 
-impl<'s, 'a> Moment<'s, 'a> {
+impl<'s, 'a, C: Codec> Moment<'s, 'a, C> {
     /// # Safety
     /// The CPU supports `I`.
     #[inline(always)]
-    unsafe fn open<I: Isa>(m: &'s mut Q8Mut<'a>, map: &'static Map, qb: usize) -> Moment<'s, 'a> {
+    unsafe fn open<I: Isa>(m: &'s mut Q8Mut<'a>, map: &'static C, qb: usize) -> Moment<'s, 'a, C> {
         let mut x = [0.0; QBLOCK];
         // SAFETY: the caller's contract.
-        unsafe { dequantize_block::<I>(map, &m.codes.as_chunks::<QBLOCK>().0[qb], m.absmax[qb], &mut x) };
+        unsafe { map.dequantize::<I>(&m.codes.as_chunks::<QBLOCK>().0[qb], m.absmax[qb], &mut x) };
         Moment { m, map, x }
     }
     /// With `EXACT`, the specification's search; otherwise the fast quantizer on `I`.
@@ -301,10 +350,10 @@ impl<'s, 'a> Moment<'s, 'a> {
     unsafe fn close<I: Isa, const EXACT: bool>(self, qb: usize) {
         let codes = &mut self.m.codes.as_chunks_mut::<QBLOCK>().0[qb];
         self.m.absmax[qb] = if EXACT {
-            quantize_block_ref(self.map, &self.x, codes)
+            self.map.quantize_ref(&self.x, codes)
         } else {
             // SAFETY: the caller's contract.
-            unsafe { quantize_block::<I>(self.map, &self.x, codes) }
+            unsafe { self.map.quantize::<I>(&self.x, codes) }
         };
     }
 }
@@ -312,7 +361,7 @@ impl<'s, 'a> Moment<'s, 'a> {
 /// The specification of the quantized update: element by element in [`element`], the search
 /// quantizer. `out`: the low-precision weight copy (see `Segment`); with `inout` the gradients
 /// are read from it (and `g` is empty).
-pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
+pub fn update_ref<G: Elem, O: Elem, C: Codec, const AMS: bool>(
     c: &Consts,
     p: &mut [f32],
     g: &[G],
@@ -326,11 +375,11 @@ pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
     let n = kahan.as_ref().map_or(p.len(), |k| k.w.len());
     for qb in 0..n / QBLOCK {
         // SAFETY: the portable path runs on every CPU.
-        let mut mm = unsafe { Moment::open::<Generic>(&mut m, signed(), qb) };
-        let mut vv = unsafe { Moment::open::<Generic>(&mut v, unsigned(), qb) };
+        let mut mm = unsafe { Moment::open::<Generic>(&mut m, C::first(), qb) };
+        let mut vv = unsafe { Moment::open::<Generic>(&mut v, C::second(), qb) };
         let mut xx = x
             .as_mut()
-            .map(|x| unsafe { Moment::open::<Generic>(x, unsigned(), qb) });
+            .map(|x| unsafe { Moment::open::<Generic>(x, C::second(), qb) });
         for j in 0..QBLOCK {
             let i = qb * QBLOCK + j;
             let gi = match out.as_deref_mut() {
@@ -405,7 +454,7 @@ unsafe fn out_grad<I: Isa>(out: &OutMut<'_>, b: usize) -> Block {
 /// The CPU supports `I`; every slice has `p.len()` elements, a multiple of [`QBLOCK`] (the
 /// moments' codes too, their absmax one per block), `out` too if it is a copy.
 #[inline(always)]
-pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
+pub(super) unsafe fn body<I: Isa, G: BlockIo, C: Codec, const AMS: bool>(
     c: &Consts,
     p: &mut [f32],
     g: Option<&[G]>,
@@ -424,10 +473,10 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
     };
     for qb in 0..full / SUB {
         // SAFETY: the CPU supports `I` (the caller's contract).
-        let mut mm = unsafe { Moment::open::<I>(&mut m, signed(), qb) };
-        let mut vv = unsafe { Moment::open::<I>(&mut v, unsigned(), qb) };
+        let mut mm = unsafe { Moment::open::<I>(&mut m, C::first(), qb) };
+        let mut vv = unsafe { Moment::open::<I>(&mut v, C::second(), qb) };
         let mut xx = if AMS {
-            x.as_mut().map(|x| unsafe { Moment::open::<I>(x, unsigned(), qb) })
+            x.as_mut().map(|x| unsafe { Moment::open::<I>(x, C::second(), qb) })
         } else {
             None
         };

@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (0: none)")
     ap.add_argument("--world-size", type=int, default=1)
     ap.add_argument(
-        "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8"],
-        help="the moments' dtype (uint8: 8-bit block-quantized, 1 B + 4 B per 256 elements)",
+        "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8", "float8_e4m3fn"],
+        help="the moments' dtype (uint8: 8-bit block-quantized, float8_e4m3fn: fp8 blocks; both 1 B + 4 B per 256 elements)",
     )  # fmt: skip
     ap.add_argument("--bf16-moments", action="store_true", help="the same as --state-dtype bfloat16")
     ap.add_argument(

@@ -26,6 +26,12 @@ pub static FP8: Fp8 = Fp8;
 /// computed and one kept, so that a lane loop vectorizes.
 #[inline(always)]
 pub fn encode(f: f32) -> u8 {
+    encode32(f) as u8
+}
+
+/// [`encode`] in the low byte of a u32 (what a lane loop computes before narrowing).
+#[inline(always)]
+fn encode32(f: f32) -> u32 {
     const FP8_MAX_BITS: u32 = 1087 << 20; // 480.0: the first float that is not an e4m3fn
     const DENORM_MASK: u32 = 141 << 23; // 2^14: adding it rounds to a multiple of 2^-9
     const MIN_NORMAL: u32 = 121 << 23; // 2^-6
@@ -49,24 +55,28 @@ pub fn encode(f: f32) -> u8 {
     } else {
         normal
     };
-    (r as u8) | (sign >> 24) as u8
+    (r & 0xff) | (sign >> 24)
 }
 
 /// `float(code)`: c10's `fp8e4m3fn_to_fp32_value` (exact; 0x7f and 0xff are NaN, with c10's
 /// bits), branch-free.
 #[inline(always)]
 pub fn decode(c: u8) -> f32 {
-    let c = c as u32;
+    decode32(c as u32)
+}
+
+/// [`decode`] of a code widened to u32.
+#[inline(always)]
+fn decode32(c: u32) -> f32 {
     let sign = (c & 0x80) << 24;
-    let e = (c >> 3) & 0xf;
-    let m = c & 7;
-    let normal = ((e + 120) << 23) | (m << 20);
-    // A subnormal is m * 2^-9, exactly (and 0 for m = 0).
-    let sub = (m as f32 * (1.0 / 512.0)).to_bits();
-    let nan = 0x7ff0_0000;
-    let r = if c & 0x7f == 0x7f {
-        nan
-    } else if e == 0 {
+    let em = c & 0x7f;
+    // Normal: the exponent rebiased by 120, the 3 mantissa bits on top of float32's.
+    let normal = (em << 20) + (120 << 23);
+    // A subnormal (exponent 0: em is its mantissa) is em * 2^-9, exactly (0 for em = 0).
+    let sub = (em as i32 as f32 * (1.0 / 512.0)).to_bits();
+    let r = if em == 0x7f {
+        0x7ff0_0000 // NaN, with c10's bits
+    } else if em < 8 {
         sub
     } else {
         normal
@@ -104,7 +114,14 @@ impl Codec for Fp8 {
         let s = Fp8::scale(x);
         let (xb, cb) = (x.as_chunks::<LANES>().0, codes.as_chunks_mut::<LANES>().0);
         for (x, c) in xb.iter().zip(cb) {
-            *c = x.map(|v| encode(v / s));
+            // Lane loops on u32 (which vectorize), then one narrowing.
+            let mut r = [0u32; LANES];
+            for i in 0..LANES {
+                r[i] = encode32(x[i] / s);
+            }
+            for i in 0..LANES {
+                c[i] = r[i] as u8;
+            }
         }
         s
     }
@@ -112,7 +129,13 @@ impl Codec for Fp8 {
     unsafe fn dequantize<I: Isa>(&self, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
         let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
         for (c, o) in cb.iter().zip(ob) {
-            *o = c.map(|k| decode(k) * s);
+            let mut w = [0u32; LANES];
+            for i in 0..LANES {
+                w[i] = c[i] as u32;
+            }
+            for i in 0..LANES {
+                o[i] = decode32(w[i]) * s;
+            }
         }
     }
 }

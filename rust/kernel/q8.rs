@@ -325,11 +325,31 @@ fn element<const AMS: bool, const DELTA: bool>(
 /// Lane blocks per quantization block.
 const SUB: usize = QBLOCK / LANES;
 
+/// A block's values on a cache line boundary: the lane loops' vector loads and stores then never
+/// split a line (a plain `[f32; QBLOCK]` on the stack is only 4-byte aligned).
+#[repr(C, align(64))]
+struct Values([f32; QBLOCK]);
+
+impl std::ops::Deref for Values {
+    type Target = [f32; QBLOCK];
+    #[inline(always)]
+    fn deref(&self) -> &[f32; QBLOCK] {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Values {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut [f32; QBLOCK] {
+        &mut self.0
+    }
+}
+
 /// One quantization block's codes, float (absmax or scale) and dequantized values.
 struct Moment<'s, 'a, C: Codec> {
     m: &'s mut Q8Mut<'a>,
     map: &'static C,
-    x: [f32; QBLOCK],
+    x: Values,
 }
 
 impl<'s, 'a, C: Codec> Moment<'s, 'a, C> {
@@ -337,7 +357,7 @@ impl<'s, 'a, C: Codec> Moment<'s, 'a, C> {
     /// The CPU supports `I`.
     #[inline(always)]
     unsafe fn open<I: Isa>(m: &'s mut Q8Mut<'a>, map: &'static C, qb: usize) -> Moment<'s, 'a, C> {
-        let mut x = [0.0; QBLOCK];
+        let mut x = Values([0.0; QBLOCK]);
         // SAFETY: the caller's contract.
         unsafe { map.dequantize::<I>(&m.codes.as_chunks::<QBLOCK>().0[qb], m.absmax[qb], &mut x) };
         Moment { m, map, x }

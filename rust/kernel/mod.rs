@@ -21,7 +21,7 @@ pub mod q8;
 use crate::elem::{Bf16, Elem, F16};
 use crate::error::{Error, Result};
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{Avx2, Avx512, Avx512Bf16};
+use crate::isa::{Avx2, Avx512, Avx512Bf16, Avx512Bf16Vbmi, Avx512Vbmi};
 use crate::isa::{Block, Generic, Isa, Simd, LANES};
 
 /// Elements per unit of parallel work: a multiple of [`LANES`], fixed, so that chunk boundaries
@@ -182,6 +182,106 @@ path!(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"
 );
 
+/// A path that is `$base` but for the quantized moments, which run on `$isa` (its lookups in
+/// registers) with `$features`: only `update_q8` is compiled again.
+#[cfg(target_arch = "x86_64")]
+macro_rules! lookup_path {
+    ($name:ident, $base:ty, $isa:ty, $features:literal) => {
+        struct $name;
+        impl Path for $name {
+            #[inline]
+            unsafe fn update<G: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts,
+                p: &mut [f32],
+                g: &[G],
+                m: &mut [S],
+                v: &mut [S],
+                vmax: &mut [S],
+                out: &mut OutMut<'_>,
+                next: &Lookahead,
+            ) {
+                // SAFETY: this path's CPU runs `$base`'s (its features are a subset).
+                unsafe { <$base>::update::<G, S, AMS>(c, p, g, m, v, vmax, out, next) }
+            }
+            #[inline]
+            unsafe fn update_inout<O: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts,
+                p: &mut [f32],
+                o: &mut [O],
+                m: &mut [S],
+                v: &mut [S],
+                vmax: &mut [S],
+            ) {
+                // SAFETY: as above.
+                unsafe { <$base>::update_inout::<O, S, AMS>(c, p, o, m, v, vmax) }
+            }
+            #[inline]
+            unsafe fn update_q8<G: BlockIo, C: q8::Codec, const AMS: bool>(
+                c: &Consts,
+                p: &mut [f32],
+                g: Option<&[G]>,
+                m: Q8Mut<'_>,
+                v: Q8Mut<'_>,
+                x: Option<Q8Mut<'_>>,
+                out: &mut OutMut<'_>,
+                kahan: Option<Kahan<'_>>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn f<G: BlockIo, C: q8::Codec, const AMS: bool>(
+                    c: &Consts,
+                    p: &mut [f32],
+                    g: Option<&[G]>,
+                    m: Q8Mut<'_>,
+                    v: Q8Mut<'_>,
+                    x: Option<Q8Mut<'_>>,
+                    out: &mut OutMut<'_>,
+                    kahan: Option<Kahan<'_>>,
+                ) {
+                    unsafe { q8::body::<$isa, G, C, AMS>(c, p, g, m, v, x, out, kahan) }
+                }
+                unsafe { f::<G, C, AMS>(c, p, g, m, v, x, out, kahan) }
+            }
+            #[inline]
+            unsafe fn update_kahan<G: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts,
+                k: Kahan<'_>,
+                g: &[G],
+                m: &mut [S],
+                v: &mut [S],
+                vmax: &mut [S],
+            ) {
+                // SAFETY: as above.
+                unsafe { <$base>::update_kahan::<G, S, AMS>(c, k, g, m, v, vmax) }
+            }
+            #[inline]
+            unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
+                // SAFETY: as above.
+                unsafe { <$base>::sq_norm::<G>(g) }
+            }
+            #[inline]
+            unsafe fn nonfinite<G: BlockIo>(g: &[G]) -> bool {
+                // SAFETY: as above.
+                unsafe { <$base>::nonfinite::<G>(g) }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+lookup_path!(
+    Avx512VbmiPath,
+    Avx512Path,
+    Avx512Vbmi,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c"
+);
+#[cfg(target_arch = "x86_64")]
+lookup_path!(
+    Avx512Bf16VbmiPath,
+    Avx512Bf16Path,
+    Avx512Bf16Vbmi,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c"
+);
+
 /// The specification as a path: [`reference::update`], one element at a time.
 struct ScalarPath;
 
@@ -291,6 +391,10 @@ fn dispatch<V: Visit>(simd: Simd, v: V) -> Result<V::Out> {
             Simd::Avx512 => v.visit::<Avx512Path>(),
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512Bf16 => v.visit::<Avx512Bf16Path>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Vbmi => v.visit::<Avx512VbmiPath>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Bf16Vbmi => v.visit::<Avx512Bf16VbmiPath>(),
             _ => v.visit::<GenericPath>(),
         }
     })

@@ -84,6 +84,10 @@ pub struct Map {
     /// bits, and above them the low 16 bits from which floats of the bucket have the next code
     /// (one further from zero; 0x10000: none).
     table: Box<[u32; BUCKETS]>,
+    /// The paths with lookups in registers ([`Isa::search256`]): the smallest `y` of each code
+    /// `1..=255` (`code_ref` is monotone in `y`, so the code is the number of them `<= y`), as
+    /// the levels of a binary search.
+    tree: [f32; 256],
 }
 
 /// Buckets of one sign: magnitudes up to 1.0 by their top 15 bits (below the sign), then one
@@ -116,7 +120,38 @@ impl Map {
                 .into_boxed_slice()
                 .try_into()
                 .expect("BUCKETS entries"),
+            tree: [0.0; 256],
         };
+        // The thresholds: for each code, the first float of [-1, 1] (in the floats' order) with
+        // that code or a larger one, by bisection over the order.
+        let key = |f: f32| {
+            let b = f.to_bits();
+            if b >> 31 == 1 {
+                !b
+            } else {
+                b | 0x8000_0000
+            }
+        };
+        let unkey = |k: u32| f32::from_bits(if k >> 31 == 1 { k & 0x7fff_ffff } else { !k });
+        let mut first = [0.0f32; 256];
+        for (j, f) in first.iter_mut().enumerate().skip(1) {
+            let (mut lo, mut hi) = (key(-1.0), key(1.0)); // code(lo) < j <= code(hi)
+            assert!(m.code_ref(-1.0) < j as u8 && m.code_ref(1.0) >= j as u8);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if m.code_ref(unkey(mid)) >= j as u8 {
+                    hi = mid;
+                } else {
+                    lo = mid;
+                }
+            }
+            *f = unkey(hi);
+        }
+        for l in 0..8 {
+            for i in 0..(1usize << l) {
+                m.tree[(1 << l) + i] = first[(2 * i + 1) * (128 >> l)];
+            }
+        }
         // The code is monotone in y: within a bucket it changes at most once (asserted), where
         // bisection over the low 16 bits finds it.
         for idx in 0..BUCKETS as u32 {
@@ -172,12 +207,17 @@ impl Map {
         decode(b, self.table[bucket(b) as usize])
     }
 
-    /// [`Map::code`] for a lane block, by the path's gather.
+    /// [`Map::code`] for a lane block: by the path's gather of the bucket table, or where the
+    /// path searches in registers, by [`Isa::search256`] over the thresholds.
     ///
     /// # Safety
     /// The CPU supports `I`.
     #[inline(always)]
     unsafe fn codes<I: Isa>(&self, y: &Block) -> [u8; LANES] {
+        if I::SEARCH_IN_REGISTERS {
+            // SAFETY: the caller's contract.
+            return unsafe { I::search256(&self.tree, y) };
+        }
         let bits = y.map(f32::to_bits);
         // SAFETY: `bucket` < BUCKETS, the table's length; CPU support is the caller's contract.
         let e = unsafe { I::gather_u32(&self.table[..], &bits.map(bucket)) };
@@ -249,8 +289,8 @@ pub unsafe fn quantize_block<I: Isa>(map: &Map, x: &[f32; QBLOCK], codes: &mut [
 pub unsafe fn dequantize_block<I: Isa>(map: &Map, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
     let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
     for (c, o) in cb.iter().zip(ob) {
-        // SAFETY: codes index the 256 values; CPU support is the caller's contract.
-        let q = unsafe { I::gather_f32(&map.q, &c.map(|k| k as u32)) };
+        // SAFETY: CPU support is the caller's contract.
+        let q = unsafe { I::lookup256(&map.q, c) };
         *o = q.map(|v| v * s);
     }
 }
@@ -584,7 +624,11 @@ mod tests {
     #[test]
     fn the_fast_code_is_the_search_on_every_float_that_matters() {
         for m in [signed(), unsigned()] {
-            let check = |y: f32| assert_eq!(m.code(y), m.code_ref(y), "y = {y:e} ({:#x})", y.to_bits());
+            let check = |y: f32| {
+                assert_eq!(m.code(y), m.code_ref(y), "y = {y:e} ({:#x})", y.to_bits());
+                // The thresholds' search (the in-register paths' specification) too.
+                assert_eq!(crate::isa::search256_lane(&m.tree, y), m.code_ref(y), "tree, y = {y:e}");
+            };
             for idx in 0..BUCKETS as u32 {
                 let thr = m.table[idx as usize] >> 8;
                 let (sign, mag) = ((idx / HALF) << 31, idx % HALF);
@@ -609,12 +653,70 @@ mod tests {
                 let y = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 10f32.powi(-((s & 7) as i32));
                 check(y);
             }
+            // Each threshold of the tree and its neighbours.
+            for &t in &m.tree[1..] {
+                let b = t.to_bits();
+                for y in [t, f32::from_bits(b.wrapping_sub(1)), f32::from_bits(b + 1)] {
+                    if y.is_finite() && y.abs() <= 1.0 {
+                        check(y);
+                    }
+                }
+            }
             assert_eq!(m.code(f32::NAN), 0);
             assert_eq!(m.code_ref(f32::NAN), 0);
+            assert_eq!(crate::isa::search256_lane(&m.tree, f32::NAN), 0);
             check(0.0);
             check(-0.0);
             check(1.0);
             check(-1.0);
+        }
+    }
+
+    /// The in-register lookups of the AVX-512 VBMI paths against the specification (where the
+    /// CPU has them; elsewhere the test says it did not run).
+    #[test]
+    fn the_in_register_lookups_are_the_tables() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::{Avx512Vbmi, Simd};
+            if !Simd::Avx512Vbmi.supported() {
+                eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                return;
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]
+            unsafe fn run(m: &Map, y: &Block, c: &[u8; LANES]) -> ([u8; LANES], Block) {
+                unsafe { (Avx512Vbmi::search256(&m.tree, y), Avx512Vbmi::lookup256(&m.q, c)) }
+            }
+            let mut s = 0x2545_f491_4f6c_dd1du64;
+            for m in [signed(), unsigned()] {
+                for round in 0..200_000u32 {
+                    let mut y = [0.0f32; LANES];
+                    let mut c = [0u8; LANES];
+                    for i in 0..LANES {
+                        s ^= s << 13;
+                        s ^= s >> 7;
+                        s ^= s << 17;
+                        let t = m.tree[1 + (s as usize % 255)];
+                        // thresholds, their neighbours, and spread values
+                        y[i] = match s >> 62 {
+                            0 => t,
+                            1 => f32::from_bits(t.to_bits().wrapping_add(((s >> 32) % 5) as u32).wrapping_sub(2)),
+                            _ => ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 10f32.powi(-(((s >> 8) & 7) as i32)),
+                        };
+                        if round == 0 && i == 0 {
+                            y[i] = f32::NAN;
+                        }
+                        c[i] = (s >> 16) as u8;
+                    }
+                    let (codes, vals) = unsafe { run(m, &y, &c) };
+                    for i in 0..LANES {
+                        if y[i].is_nan() || y[i].abs() <= 1.0 {
+                            assert_eq!(codes[i], m.code_ref(y[i]), "y = {:e}", y[i]);
+                        }
+                        assert_eq!(vals[i].to_bits(), m.q[c[i] as usize].to_bits());
+                    }
+                }
+            }
         }
     }
 

@@ -237,6 +237,10 @@ def test_bad_fp8_entries_are_refused_before_anything_changes() -> None:
     with pytest.raises(ValueError, match="exp_avg_codes must be float8_e4m3fn"):
         opt.load_state_dict(sd)
     sd = copy.deepcopy(opt.state_dict())
+    del sd["state"][0]["exp_avg_sq_scale"]
+    with pytest.raises(ValueError, match="exp_avg_sq_codes and exp_avg_sq_scale go together"):
+        opt.load_state_dict(sd)
+    sd = copy.deepcopy(opt.state_dict())
     sd["state"][2]["exp_avg_absmax"] = sd["state"][2]["exp_avg_scale"]
     with pytest.raises(ValueError, match="both 'exp_avg_absmax' and 'exp_avg_scale'"):
         opt.load_state_dict(sd)

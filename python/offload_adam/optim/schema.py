@@ -174,10 +174,11 @@ def check_moment(entry: Mapping[str, Any], m: Moment, p: Tensor, name: str, loca
     if absmax is not None and scale is not None:
         raise ValueError(f"{what}: both {m.key + '_absmax'!r} and {m.key + '_scale'!r}; one form per moment")
     if codes is not None or absmax is not None or scale is not None:
-        kind, suffix = ("fp8", "_scale") if scale is not None else ("q8", "_absmax")
-        floats = scale if scale is not None else absmax
+        fp8 = scale is not None or (absmax is None and getattr(codes, "dtype", None) == FP8)
+        kind, suffix = ("fp8", "_scale") if fp8 else ("q8", "_absmax")
+        floats = scale if fp8 else absmax
         if codes is None or floats is None:
-            raise ValueError(f"{what}: {m.key}_codes and {m.key}_absmax (or {m.key}_scale, fp8) go together")
+            raise ValueError(f"{what}: {m.key}_codes and {m.key}{suffix} go together")
         for key, x in ((m.key + "_codes", codes), (m.key + suffix, floats)):
             if not isinstance(x, Tensor):
                 raise TypeError(f"{what}: {key} must be a tensor, got {type(x).__name__}")

@@ -112,8 +112,9 @@ def main() -> None:
         help="on the CPU, stream as to a GPU: through offload_adam.testing's simulated device (no delays)",
     )  # fmt: skip
     ap.add_argument(
-        "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8"],
-        help="the moments' dtype: uint8 is 8-bit block-quantized (torchao's AdamW8bit); compared with torch's fp32 run",
+        "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8", "float8_e4m3fn"],
+        help="the moments' dtype: uint8 is 8-bit block-quantized (torchao's AdamW8bit), float8_e4m3fn fp8 blocks "
+        "(torchao's AdamWFp8); compared with torch's fp32 run",
     )  # fmt: skip
     ap.add_argument(
         "--master-dtype", default="float32", choices=["float32", "bfloat16"],

@@ -6,7 +6,7 @@
 //! one wheel runs on any x86-64 or aarch64 CPU. Where a CPU has conversion instructions LLVM will
 //! not produce by itself (F16C, AVX512-BF16), the [`Isa`] impl of that path uses them.
 //!
-//! `OFFLOAD_ADAM_SIMD=scalar|avx2|avx512|avx512bf16|neon` forces a path; `scalar` is the reference
+//! `OFFLOAD_ADAM_SIMD=scalar|avx2|avx512|avx512vbmi|avx512bf16|avx512bf16vbmi|neon` forces a path; `scalar` is the reference
 //! implementation of `kernel::reference`, the specification the others are tested against.
 
 use std::sync::OnceLock;
@@ -31,6 +31,11 @@ pub enum Simd {
     Avx512,
     /// AVX-512 as above plus the BF16 conversion instructions.
     Avx512Bf16,
+    /// [`Simd::Avx512`] on a CPU with AVX-512 VBMI (Ice Lake, Zen 4 and later, whose
+    /// two-register permutes are fast): the 8-bit moments' 256-entry lookups in registers.
+    Avx512Vbmi,
+    /// [`Simd::Avx512Bf16`] with the lookups of [`Simd::Avx512Vbmi`].
+    Avx512Bf16Vbmi,
     /// aarch64 Advanced SIMD.
     Neon,
 }
@@ -42,6 +47,8 @@ impl Simd {
             Simd::Avx2 => "avx2",
             Simd::Avx512 => "avx512",
             Simd::Avx512Bf16 => "avx512bf16",
+            Simd::Avx512Vbmi => "avx512vbmi",
+            Simd::Avx512Bf16Vbmi => "avx512bf16vbmi",
             Simd::Neon => "neon",
         }
     }
@@ -52,6 +59,8 @@ impl Simd {
             "avx2" => Simd::Avx2,
             "avx512" => Simd::Avx512,
             "avx512bf16" => Simd::Avx512Bf16,
+            "avx512vbmi" => Simd::Avx512Vbmi,
+            "avx512bf16vbmi" => Simd::Avx512Bf16Vbmi,
             "neon" => Simd::Neon,
             _ => return None,
         })
@@ -75,6 +84,10 @@ impl Simd {
             }
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512Bf16 => Simd::Avx512.supported() && is_x86_feature_detected!("avx512bf16"),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Vbmi => Simd::Avx512.supported() && is_x86_feature_detected!("avx512vbmi"),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Bf16Vbmi => Simd::Avx512Bf16.supported() && Simd::Avx512Vbmi.supported(),
             #[cfg(target_arch = "aarch64")]
             Simd::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
@@ -84,10 +97,18 @@ impl Simd {
 
     /// Every path this CPU can run, best last.
     pub fn available() -> Vec<Simd> {
-        [Simd::Scalar, Simd::Neon, Simd::Avx2, Simd::Avx512, Simd::Avx512Bf16]
-            .into_iter()
-            .filter(|s| s.supported())
-            .collect()
+        [
+            Simd::Scalar,
+            Simd::Neon,
+            Simd::Avx2,
+            Simd::Avx512,
+            Simd::Avx512Vbmi,
+            Simd::Avx512Bf16,
+            Simd::Avx512Bf16Vbmi,
+        ]
+        .into_iter()
+        .filter(|s| s.supported())
+        .collect()
     }
 
     /// The best path of this CPU.
@@ -112,7 +133,7 @@ pub fn default_simd() -> Result<Simd> {
 pub fn resolve(name: &str) -> Result<Simd> {
     let s = Simd::parse(name).ok_or_else(|| {
         Error::Value(format!(
-            "unknown SIMD path {name:?}: expected one of scalar, avx2, avx512, avx512bf16, neon, auto"
+            "unknown SIMD path {name:?}: expected one of scalar, avx2, avx512, avx512vbmi, avx512bf16, avx512bf16vbmi, neon, auto"
         ))
     })?;
     if !s.supported() {
@@ -175,6 +196,43 @@ pub unsafe trait Isa: Copy + Send + Sync + 'static {
     unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
         idx.map(|i| unsafe { *table.get_unchecked(i as usize) })
     }
+    /// Whether [`Isa::search256`] runs in registers: then the 8-bit moments quantize with it
+    /// instead of their bucket table's gathers.
+    const SEARCH_IN_REGISTERS: bool = false;
+    /// `table[idx[i]]` in each lane, for a 256-entry table (the 8-bit maps' values): the
+    /// path's gather, or permutes of the table held in registers.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn lookup256(table: &[f32; 256], idx: &[u8; LANES]) -> Block {
+        // SAFETY: a u8 indexes 256 entries; CPU support is the caller's contract.
+        unsafe { Self::gather_f32(&table[..], &idx.map(|i| i as u32)) }
+    }
+    /// In each lane, the number of thresholds `t` with `y >= t` among 255 sorted ones, found by a
+    /// binary search over `tree` (level `l`'s `2^l` thresholds at `tree[2^l..2^(l+1)]`, the
+    /// threshold of step `128 >> l` after `c` at `tree[2^l + (c >> (8 - l))]`; `tree[0]`
+    /// unused). NaN counts none. Here one lane at a time: the specification of the paths that
+    /// run it in registers.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
+        y.map(|y| search256_lane(tree, y))
+    }
+}
+
+/// [`Isa::search256`] for one lane.
+#[inline(always)]
+pub fn search256_lane(tree: &[f32; 256], y: f32) -> u8 {
+    let mut c = 0usize;
+    for l in 0..8 {
+        if y >= tree[(1 << l) + (c >> (8 - l))] {
+            c += 128 >> l;
+        }
+    }
+    c as u8
 }
 
 /// Portable code, vectorized for whatever the compilation target has (NEON on aarch64).
@@ -184,7 +242,7 @@ pub struct Generic;
 unsafe impl Isa for Generic {}
 
 #[cfg(target_arch = "x86_64")]
-pub use x86::{Avx2, Avx512, Avx512Bf16};
+pub use x86::{Avx2, Avx512, Avx512Bf16, Avx512Bf16Vbmi, Avx512Vbmi};
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -197,6 +255,102 @@ mod x86 {
     pub struct Avx512;
     #[derive(Clone, Copy)]
     pub struct Avx512Bf16;
+    /// [`Avx512`] with the 256-entry lookups in registers (CPUs with AVX-512 VBMI).
+    #[derive(Clone, Copy)]
+    pub struct Avx512Vbmi;
+    /// [`Avx512Bf16`] with the 256-entry lookups in registers.
+    #[derive(Clone, Copy)]
+    pub struct Avx512Bf16Vbmi;
+
+    /// `table[idx[i]]` for a 256-entry table held in 16 registers: eight two-register permutes
+    /// (`vpermi2ps`: the index's low 5 bits pick one of 32 entries), then a blend tree on its bits
+    /// 5, 6 and 7.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline(always)]
+    unsafe fn lookup256_zmm(table: &[f32; 256], idx: &[u8; LANES]) -> Block {
+        unsafe {
+            let i = _mm512_cvtepu8_epi32(std::mem::transmute::<[u8; LANES], __m128i>(*idx));
+            let t = table.as_ptr();
+            let pair = |k: usize| {
+                _mm512_permutex2var_ps(_mm512_loadu_ps(t.add(32 * k)), i, _mm512_loadu_ps(t.add(32 * k + 16)))
+            };
+            let bit = |b: i32| _mm512_test_epi32_mask(i, _mm512_set1_epi32(b));
+            let (m5, m6, m7) = (bit(32), bit(64), bit(128));
+            let q0 = _mm512_mask_blend_ps(m5, pair(0), pair(1));
+            let q1 = _mm512_mask_blend_ps(m5, pair(2), pair(3));
+            let q2 = _mm512_mask_blend_ps(m5, pair(4), pair(5));
+            let q3 = _mm512_mask_blend_ps(m5, pair(6), pair(7));
+            let r0 = _mm512_mask_blend_ps(m6, q0, q1);
+            let r1 = _mm512_mask_blend_ps(m6, q2, q3);
+            std::mem::transmute::<__m512, Block>(_mm512_mask_blend_ps(m7, r0, r1))
+        }
+    }
+
+    /// [`Isa::search256`] in registers: levels 0 to 3 from one register of `tree[0..16]`
+    /// (`vpermps`), level 4 from `tree[16..32]`, level 5 from `tree[32..64]` (one `vpermi2ps`),
+    /// levels 6 and 7 from two and four `vpermi2ps` and a blend tree; each level one compare
+    /// and one masked add.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline(always)]
+    unsafe fn search256_zmm(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
+        unsafe {
+            let y = std::mem::transmute::<Block, __m512>(*y);
+            let t = tree.as_ptr();
+            let reg = |k: usize| _mm512_loadu_ps(t.add(16 * k));
+            let mut c = _mm512_setzero_si512();
+            let step = |c: __m512i, thr: __m512, k: i32| {
+                let ge = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(y, thr); // NaN: false
+                _mm512_mask_add_epi32(c, ge, c, _mm512_set1_epi32(k))
+            };
+            let t0 = reg(0);
+            // level 0: tree[1]; levels 1-3: tree[2^l + (c >> (8 - l))], all within tree[0..16]
+            c = step(c, _mm512_permutexvar_ps(_mm512_set1_epi32(1), t0), 128);
+            let at = |c: __m512i, shift: u32, base: i32| {
+                _mm512_add_epi32(
+                    _mm512_srlv_epi32(c, _mm512_set1_epi32(shift as i32)),
+                    _mm512_set1_epi32(base),
+                )
+            };
+            c = step(c, _mm512_permutexvar_ps(at(c, 7, 2), t0), 64);
+            c = step(c, _mm512_permutexvar_ps(at(c, 6, 4), t0), 32);
+            c = step(c, _mm512_permutexvar_ps(at(c, 5, 8), t0), 16);
+            // level 4: tree[16 + (c >> 4)]
+            c = step(c, _mm512_permutexvar_ps(at(c, 4, 0), reg(1)), 8);
+            // level 5: tree[32 + (c >> 3)], 32 entries
+            c = step(c, _mm512_permutex2var_ps(reg(2), at(c, 3, 0), reg(3)), 4);
+            // level 6: tree[64 + (c >> 2)], 64 entries: bit 5 of the index picks the half
+            let i6 = at(c, 2, 0);
+            let h6 = _mm512_test_epi32_mask(i6, _mm512_set1_epi32(32));
+            let t6 = _mm512_mask_blend_ps(
+                h6,
+                _mm512_permutex2var_ps(reg(4), i6, reg(5)),
+                _mm512_permutex2var_ps(reg(6), i6, reg(7)),
+            );
+            c = step(c, t6, 2);
+            // level 7: tree[128 + (c >> 1)], 128 entries: bits 5 and 6 of the index
+            let i7 = at(c, 1, 0);
+            let (h5, h6) = (
+                _mm512_test_epi32_mask(i7, _mm512_set1_epi32(32)),
+                _mm512_test_epi32_mask(i7, _mm512_set1_epi32(64)),
+            );
+            let lo = _mm512_mask_blend_ps(
+                h5,
+                _mm512_permutex2var_ps(reg(8), i7, reg(9)),
+                _mm512_permutex2var_ps(reg(10), i7, reg(11)),
+            );
+            let hi = _mm512_mask_blend_ps(
+                h5,
+                _mm512_permutex2var_ps(reg(12), i7, reg(13)),
+                _mm512_permutex2var_ps(reg(14), i7, reg(15)),
+            );
+            c = step(c, _mm512_mask_blend_ps(h6, lo, hi), 1);
+            std::mem::transmute::<__m128i, [u8; LANES]>(_mm512_cvtepi32_epi8(c))
+        }
+    }
 
     /// Two AVX2 gathers of 8 lanes each.
     ///
@@ -305,6 +459,77 @@ mod x86 {
         #[inline(always)]
         unsafe fn bf16_store(x: &Block) -> [u16; LANES] {
             unsafe { std::mem::transmute(_mm512_cvtneps_pbh(std::mem::transmute::<Block, __m512>(*x))) }
+        }
+    }
+
+    // SAFETY: as for `Avx512` and `Avx512Bf16`, which these delegate to; the lookups use
+    // AVX-512 F only, and run only where the path (AVX-512 with VBMI) was detected.
+    unsafe impl Isa for Avx512Vbmi {
+        const SEARCH_IN_REGISTERS: bool = true;
+        #[inline(always)]
+        fn prefetch(p: *const u8) {
+            Avx2::prefetch(p)
+        }
+        #[inline(always)]
+        unsafe fn gather_f32(table: &[f32], idx: &[u32; LANES]) -> Block {
+            unsafe { Avx2::gather_f32(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
+            unsafe { Avx2::gather_u32(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn f16_load(src: &[u16; LANES]) -> Block {
+            unsafe { Avx512::f16_load(src) }
+        }
+        #[inline(always)]
+        unsafe fn f16_store(x: &Block) -> [u16; LANES] {
+            unsafe { Avx512::f16_store(x) }
+        }
+        #[inline(always)]
+        unsafe fn lookup256(table: &[f32; 256], idx: &[u8; LANES]) -> Block {
+            unsafe { lookup256_zmm(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
+            unsafe { search256_zmm(tree, y) }
+        }
+    }
+
+    // SAFETY: as above, with `Avx512Bf16`'s conversions.
+    unsafe impl Isa for Avx512Bf16Vbmi {
+        const SEARCH_IN_REGISTERS: bool = true;
+        #[inline(always)]
+        fn prefetch(p: *const u8) {
+            Avx2::prefetch(p)
+        }
+        #[inline(always)]
+        unsafe fn gather_f32(table: &[f32], idx: &[u32; LANES]) -> Block {
+            unsafe { Avx2::gather_f32(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn gather_u32(table: &[u32], idx: &[u32; LANES]) -> [u32; LANES] {
+            unsafe { Avx2::gather_u32(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn f16_load(src: &[u16; LANES]) -> Block {
+            unsafe { Avx512::f16_load(src) }
+        }
+        #[inline(always)]
+        unsafe fn f16_store(x: &Block) -> [u16; LANES] {
+            unsafe { Avx512::f16_store(x) }
+        }
+        #[inline(always)]
+        unsafe fn bf16_store(x: &Block) -> [u16; LANES] {
+            unsafe { Avx512Bf16::bf16_store(x) }
+        }
+        #[inline(always)]
+        unsafe fn lookup256(table: &[f32; 256], idx: &[u8; LANES]) -> Block {
+            unsafe { lookup256_zmm(table, idx) }
+        }
+        #[inline(always)]
+        unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
+            unsafe { search256_zmm(tree, y) }
         }
     }
 }

@@ -425,40 +425,51 @@ def test_fsdp2_matches_torch_adamw_on_the_same_shards(kw: dict[str, Any], clip: 
             assert abs(x - r) <= 1e-5 * max(1.0, r)
 
 
-def _fsdp_q8_worker(rank: int, world: int) -> Any:
-    """8-bit moments on FSDP2 shards (world 2) or on the whole model (world 1): Linear(256, 64)'s
-    weight quantizes (rows of 256, shards of 32 rows); the others are too small."""
+def _fsdp_q8_worker(rank: int, world: int, state_dtype: str = "uint8") -> Any:
+    """8-bit (or fp8) moments on FSDP2 shards (world 2) or on the whole model (world 1):
+    Linear(256, 64)'s weight quantizes (rows of 256, shards of 32 rows); the others are too small."""
     import offload_adam
 
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(256, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48))
     if world > 1:
         _shard(m)
-    opt = offload_adam.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, state_dtype=torch.uint8)
+    opt = offload_adam.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1, state_dtype=getattr(torch, state_dtype))
     g = torch.Generator().manual_seed(7)
     batches = [torch.randn(4, 256, generator=g) for _ in range(8)]
     _fsdp_train(m, opt, batches, rank, world, "none")
     sd = opt.state_dict()
     full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
     kinds = sorted({f"{k}:{type(v).__name__}" for e in sd["state"].values() for k, v in e.items()})
-    return [full(p.detach()) for p in m.parameters()], {k: full(v) for k, v in sd["state"][0].items()}, kinds, set(sd["state"][2])
+
+    def bits(t: Any) -> Any:  # fp8 codes gathered as their bytes (gloo has no float8)
+        if t.dtype != torch.float8_e4m3fn:
+            return full(t)
+        if not hasattr(t, "full_tensor"):
+            return t.view(torch.uint8)
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(t.to_local().view(torch.uint8), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()).full_tensor()
+
+    return [full(p.detach()) for p in m.parameters()], {k: bits(v) for k, v in sd["state"][0].items()}, kinds, set(sd["state"][2])
 
 
-def test_fsdp2_shards_with_uint8_moments_step_as_the_whole_model() -> None:
+@pytest.mark.parametrize("state_dtype, scale", [("uint8", "absmax"), ("float8_e4m3fn", "scale")])
+def test_fsdp2_shards_with_quantized_moments_step_as_the_whole_model(state_dtype: str, scale: str) -> None:
     """Blocks along whole rows never straddle a shard: FSDP2's two ranks quantize as one process
-    quantizes the whole tensor, bitwise (codes, and absmax shaped (rows, row // 256), as
+    quantizes the whole tensor, bitwise (codes, and absmax or scale shaped (rows, row // 256), as
     DTensors)."""
-    out = spawn(_fsdp_q8_worker)
+    out = spawn(_fsdp_q8_worker, state_dtype)
     (wa, sa, kinds, keys2), (wb, _, _, _) = out
     assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "the ranks' weights differ"
-    assert "exp_avg_codes:DTensor" in kinds and "exp_avg_absmax:DTensor" in kinds
+    assert "exp_avg_codes:DTensor" in kinds and f"exp_avg_{scale}:DTensor" in kinds
     assert "exp_avg" in keys2 and "exp_avg_codes" not in keys2  # Linear(64, 48).weight: too small
-    wr, sr, _, _ = _fsdp_q8_worker(0, 1)
-    assert sa["exp_avg_absmax"].shape == (64, 1) and sr["exp_avg_absmax"].shape == (64,)
+    wr, sr, _, _ = _fsdp_q8_worker(0, 1, state_dtype)
+    assert sa[f"exp_avg_{scale}"].shape == (64, 1) and sr[f"exp_avg_{scale}"].shape == (64,)
     for x, r in zip(wa, wr):
         assert torch.equal(x, r)
     assert torch.equal(sa["exp_avg_codes"], sr["exp_avg_codes"])
-    assert torch.equal(sa["exp_avg_absmax"].reshape(-1), sr["exp_avg_absmax"])
+    assert torch.equal(sa[f"exp_avg_{scale}"].reshape(-1), sr[f"exp_avg_{scale}"])
 
 
 @pytest.mark.parametrize("kw", [{}, {"async_step": True}, {"free_gradients": True}], ids=["sync", "async", "free-gradients"])

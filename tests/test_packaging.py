@@ -42,7 +42,8 @@ def test_bench_command_runs(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     assert "torch AdamW(fused=True)" in out.stdout and "GB/s" in out.stdout
     results = json.loads((tmp_path / "b.json").read_text())
-    assert [r["case"].split()[0] for r in results] == ["1", "GPT-2", "4000", "bf16", "thread", "offloaded", "8-bit", "8-bit", "bf16"]
+    assert [r["case"].split()[0] for r in results] == ["1", "GPT-2", "4000", "bf16", "thread", "offloaded", "fp8", "fp8", "bf16"]
+    assert results[6]["offload_adam uint8 moments"]["speedup_over_baseline"] > 0
     assert all(r["speedup"] > 0 for r in results)
     assert results[2]["many_over_flat_rate"] > 0
     assert results[5]["offload_adam offloaded (simulated device)"]["kernel_rate_over_ours"] > 0

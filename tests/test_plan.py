@@ -17,7 +17,7 @@ def _model(dtype: torch.dtype) -> torch.nn.Module:
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["cpu", "offloaded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn])
 def test_planned_host_bytes_equal_memory_report(streamed: bool, dtype: torch.dtype, state_dtype: torch.dtype) -> None:
     m = _model(dtype)
     params = [(p.numel(), p.dtype) for p in m.parameters()]
@@ -83,6 +83,9 @@ def test_plan_prints_the_streamed_weights_recipe(capsys: pytest.CaptureFixture[s
     assert "uint8 moments" in out
     # 121.5 GiB of 128: it fits, with under 10% of the RAM left free
     assert "offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of 3 layers): tight (host: 6.5 GiB" in out
+    assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "128", "--state-dtype", "float8_e4m3fn"]) == 0
+    out = capsys.readouterr().out
+    assert "float8_e4m3fn moments" in out
     assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "64", "--nvme-gb", "400", "--bf16-moments"]) == 0
     out = capsys.readouterr().out
     assert "offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of 3 layers): fits" in out

@@ -14,13 +14,14 @@
 
 use rayon::prelude::*;
 
+pub mod fp8;
 mod maps;
 pub mod q8;
 
 use crate::elem::{Bf16, Elem, F16};
 use crate::error::{Error, Result};
 #[cfg(target_arch = "x86_64")]
-use crate::isa::{Avx2, Avx512, Avx512Bf16};
+use crate::isa::{Avx2, Avx512, Avx512Bf16, Avx512Bf16Vbmi, Avx512Vbmi};
 use crate::isa::{Block, Generic, Isa, Simd, LANES};
 
 /// Elements per unit of parallel work: a multiple of [`LANES`], fixed, so that chunk boundaries
@@ -65,7 +66,7 @@ trait Path {
     );
     /// # Safety
     /// As for [`q8::body`].
-    unsafe fn update_q8<G: BlockIo, const AMS: bool>(
+    unsafe fn update_q8<G: BlockIo, C: q8::Codec, const AMS: bool>(
         c: &Consts,
         p: &mut [f32],
         g: Option<&[G]>,
@@ -124,18 +125,18 @@ macro_rules! path {
                 unsafe { f::<O, S, AMS>(c, p, o, m, v, vmax) }
             }
             #[inline]
-            unsafe fn update_q8<G: BlockIo, const AMS: bool>(
+            unsafe fn update_q8<G: BlockIo, C: q8::Codec, const AMS: bool>(
                 c: &Consts, p: &mut [f32], g: Option<&[G]>, m: Q8Mut<'_>, v: Q8Mut<'_>, x: Option<Q8Mut<'_>>,
                 out: &mut OutMut<'_>, kahan: Option<Kahan<'_>>,
             ) {
                 $(#[target_feature(enable = $features)])?
-                unsafe fn f<G: BlockIo, const AMS: bool>(
+                unsafe fn f<G: BlockIo, C: q8::Codec, const AMS: bool>(
                     c: &Consts, p: &mut [f32], g: Option<&[G]>, m: Q8Mut<'_>, v: Q8Mut<'_>, x: Option<Q8Mut<'_>>,
                     out: &mut OutMut<'_>, kahan: Option<Kahan<'_>>,
                 ) {
-                    unsafe { q8::body::<$isa, G, AMS>(c, p, g, m, v, x, out, kahan) }
+                    unsafe { q8::body::<$isa, G, C, AMS>(c, p, g, m, v, x, out, kahan) }
                 }
-                unsafe { f::<G, AMS>(c, p, g, m, v, x, out, kahan) }
+                unsafe { f::<G, C, AMS>(c, p, g, m, v, x, out, kahan) }
             }
             #[inline]
             unsafe fn update_kahan<G: BlockIo, S: BlockIo, const AMS: bool>(
@@ -179,6 +180,106 @@ path!(
     Avx512Bf16Path,
     Avx512Bf16,
     "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c"
+);
+
+/// A path that is `$base` but for the quantized moments, which run on `$isa` (its lookups in
+/// registers) with `$features`: only `update_q8` is compiled again.
+#[cfg(target_arch = "x86_64")]
+macro_rules! lookup_path {
+    ($name:ident, $base:ty, $isa:ty, $features:literal) => {
+        struct $name;
+        impl Path for $name {
+            #[inline]
+            unsafe fn update<G: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts,
+                p: &mut [f32],
+                g: &[G],
+                m: &mut [S],
+                v: &mut [S],
+                vmax: &mut [S],
+                out: &mut OutMut<'_>,
+                next: &Lookahead,
+            ) {
+                // SAFETY: this path's CPU runs `$base`'s (its features are a subset).
+                unsafe { <$base>::update::<G, S, AMS>(c, p, g, m, v, vmax, out, next) }
+            }
+            #[inline]
+            unsafe fn update_inout<O: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts,
+                p: &mut [f32],
+                o: &mut [O],
+                m: &mut [S],
+                v: &mut [S],
+                vmax: &mut [S],
+            ) {
+                // SAFETY: as above.
+                unsafe { <$base>::update_inout::<O, S, AMS>(c, p, o, m, v, vmax) }
+            }
+            #[inline]
+            unsafe fn update_q8<G: BlockIo, C: q8::Codec, const AMS: bool>(
+                c: &Consts,
+                p: &mut [f32],
+                g: Option<&[G]>,
+                m: Q8Mut<'_>,
+                v: Q8Mut<'_>,
+                x: Option<Q8Mut<'_>>,
+                out: &mut OutMut<'_>,
+                kahan: Option<Kahan<'_>>,
+            ) {
+                #[target_feature(enable = $features)]
+                unsafe fn f<G: BlockIo, C: q8::Codec, const AMS: bool>(
+                    c: &Consts,
+                    p: &mut [f32],
+                    g: Option<&[G]>,
+                    m: Q8Mut<'_>,
+                    v: Q8Mut<'_>,
+                    x: Option<Q8Mut<'_>>,
+                    out: &mut OutMut<'_>,
+                    kahan: Option<Kahan<'_>>,
+                ) {
+                    unsafe { q8::body::<$isa, G, C, AMS>(c, p, g, m, v, x, out, kahan) }
+                }
+                unsafe { f::<G, C, AMS>(c, p, g, m, v, x, out, kahan) }
+            }
+            #[inline]
+            unsafe fn update_kahan<G: BlockIo, S: BlockIo, const AMS: bool>(
+                c: &Consts,
+                k: Kahan<'_>,
+                g: &[G],
+                m: &mut [S],
+                v: &mut [S],
+                vmax: &mut [S],
+            ) {
+                // SAFETY: as above.
+                unsafe { <$base>::update_kahan::<G, S, AMS>(c, k, g, m, v, vmax) }
+            }
+            #[inline]
+            unsafe fn sq_norm<G: BlockIo>(g: &[G]) -> f64 {
+                // SAFETY: as above.
+                unsafe { <$base>::sq_norm::<G>(g) }
+            }
+            #[inline]
+            unsafe fn nonfinite<G: BlockIo>(g: &[G]) -> bool {
+                // SAFETY: as above.
+                unsafe { <$base>::nonfinite::<G>(g) }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+lookup_path!(
+    Avx512VbmiPath,
+    Avx512Path,
+    Avx512Vbmi,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c"
+);
+#[cfg(target_arch = "x86_64")]
+lookup_path!(
+    Avx512Bf16VbmiPath,
+    Avx512Bf16Path,
+    Avx512Bf16Vbmi,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c"
 );
 
 /// The specification as a path: [`reference::update`], one element at a time.
@@ -225,7 +326,7 @@ impl Path for ScalarPath {
         let g = take_slot(o, p);
         reference::update(c, p, &g, m, v, if AMS { Some(vmax) } else { None }, Some(o));
     }
-    unsafe fn update_q8<G: BlockIo, const AMS: bool>(
+    unsafe fn update_q8<G: BlockIo, C: q8::Codec, const AMS: bool>(
         c: &Consts,
         p: &mut [f32],
         g: Option<&[G]>,
@@ -237,9 +338,9 @@ impl Path for ScalarPath {
     ) {
         let (g, inout) = (g.unwrap_or(&[]), g.is_none());
         match out {
-            OutMut::None => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, None, false, kahan),
-            OutMut::Bf16(o) => q8::update_ref::<G, Bf16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout, None),
-            OutMut::F16(o) => q8::update_ref::<G, F16, AMS>(c, p, g, m, v, x, Some(&mut **o), inout, None),
+            OutMut::None => q8::update_ref::<G, Bf16, C, AMS>(c, p, g, m, v, x, None, false, kahan),
+            OutMut::Bf16(o) => q8::update_ref::<G, Bf16, C, AMS>(c, p, g, m, v, x, Some(&mut **o), inout, None),
+            OutMut::F16(o) => q8::update_ref::<G, F16, C, AMS>(c, p, g, m, v, x, Some(&mut **o), inout, None),
         }
     }
     /// The Kahan mode has no element-by-element specification of its own: it is the portable
@@ -290,6 +391,10 @@ fn dispatch<V: Visit>(simd: Simd, v: V) -> Result<V::Out> {
             Simd::Avx512 => v.visit::<Avx512Path>(),
             #[cfg(target_arch = "x86_64")]
             Simd::Avx512Bf16 => v.visit::<Avx512Bf16Path>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Vbmi => v.visit::<Avx512VbmiPath>(),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Bf16Vbmi => v.visit::<Avx512Bf16VbmiPath>(),
             _ => v.visit::<GenericPath>(),
         }
     })
@@ -323,32 +428,42 @@ unsafe fn run_segment<P: Path>(s: Segment<'_>, next: &Lookahead) {
             }
         };
     }
-    if let StateMut::Q8 { .. } = exp_avg {
+    if let StateMut::Q8 { .. } | StateMut::Fp8 { .. } = exp_avg {
         fn q(s: StateMut<'_>) -> Q8Mut<'_> {
             match s {
-                StateMut::Q8 { codes, absmax } => Q8Mut { codes, absmax },
+                StateMut::Q8 { codes, absmax } | StateMut::Fp8 { codes, scale: absmax } => Q8Mut { codes, absmax },
                 _ => unreachable!("validated: moments share one codec"),
             }
         }
+        let fp8 = matches!(exp_avg, StateMut::Fp8 { .. });
         let (m, v) = (q(exp_avg), q(exp_avg_sq));
         let x = if amsgrad { max_exp_avg_sq.map(q) } else { None };
         macro_rules! q8 {
-            ($g:expr) => {
+            ($g:expr, $codec:ty) => {
                 // SAFETY: lengths validated (whole blocks); path support is the caller's contract.
                 unsafe {
                     if amsgrad {
-                        P::update_q8::<_, true>(&consts, param, $g, m, v, x, &mut out, kahan)
+                        P::update_q8::<_, $codec, true>(&consts, param, $g, m, v, x, &mut out, kahan)
                     } else {
-                        P::update_q8::<_, false>(&consts, param, $g, m, v, x, &mut out, kahan)
+                        P::update_q8::<_, $codec, false>(&consts, param, $g, m, v, x, &mut out, kahan)
                     }
                 }
             };
         }
+        macro_rules! codec {
+            ($g:expr) => {
+                if fp8 {
+                    q8!($g, fp8::Fp8)
+                } else {
+                    q8!($g, q8::Map)
+                }
+            };
+        }
         match grad {
-            GradRef::F32(g) => q8!(Some(g)),
-            GradRef::Bf16(g) => q8!(Some(g)),
-            GradRef::F16(g) => q8!(Some(g)),
-            GradRef::InOut => q8!(None::<&[f32]>),
+            GradRef::F32(g) => codec!(Some(g)),
+            GradRef::Bf16(g) => codec!(Some(g)),
+            GradRef::F16(g) => codec!(Some(g)),
+            GradRef::InOut => codec!(None::<&[f32]>),
         }
         return;
     }
@@ -412,7 +527,7 @@ impl Lookahead {
         let mut state = |x: &StateMut<'_>| match x {
             StateMut::F32(x) => add(x.as_ptr() as usize, 4),
             StateMut::Bf16(x) => add(x.as_ptr() as usize, 2),
-            StateMut::Q8 { codes, .. } => add(codes.as_ptr() as usize, 1),
+            StateMut::Q8 { codes, .. } | StateMut::Fp8 { codes, .. } => add(codes.as_ptr() as usize, 1),
         };
         state(&s.exp_avg);
         state(&s.exp_avg_sq);

@@ -13,6 +13,9 @@
 //! mantissa bits), which holds at most one code boundary (checked when the table is built): the
 //! entry is the code at the bucket's start and the low 16 bits of the float where the next code
 //! begins, compared with the float's own low bits.
+//!
+//! The block loop ([`body`], [`update_ref`]) serves every block codec ([`Codec`]): this module's
+//! dynamic maps and the fp8 codec of `fp8.rs`.
 
 use std::sync::OnceLock;
 
@@ -27,6 +30,52 @@ pub const QBLOCK: usize = 256;
 /// only if they divide into blocks; other tensors keep unquantized moments.
 pub const MIN_NUMEL: usize = 4096;
 
+/// How one quantization block of a moment is stored: codes and one float32 per block (the
+/// dynamic maps' absmax, the fp8 codec's scale).
+pub trait Codec: Sync + 'static {
+    /// The codec of `exp_avg`.
+    fn first() -> &'static Self;
+    /// The codec of `exp_avg_sq` and `max_exp_avg_sq`.
+    fn second() -> &'static Self;
+    /// The specification: quantizes `x` into `codes`, returns the block's float.
+    fn quantize_ref(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32;
+    /// The same codes and float as [`Codec::quantize_ref`], on path `I`.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    unsafe fn quantize<I: Isa>(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32;
+    /// The block's values from its codes and float `s`, on path `I`.
+    ///
+    /// # Safety
+    /// The CPU supports `I`.
+    unsafe fn dequantize<I: Isa>(&self, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]);
+}
+
+impl Codec for Map {
+    #[inline(always)]
+    fn first() -> &'static Self {
+        signed()
+    }
+    #[inline(always)]
+    fn second() -> &'static Self {
+        unsigned()
+    }
+    #[inline(always)]
+    fn quantize_ref(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
+        quantize_block_ref(self, x, codes)
+    }
+    #[inline(always)]
+    unsafe fn quantize<I: Isa>(&self, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
+        // SAFETY: the caller's contract.
+        unsafe { quantize_block::<I>(self, x, codes) }
+    }
+    #[inline(always)]
+    unsafe fn dequantize<I: Isa>(&self, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
+        // SAFETY: the caller's contract.
+        unsafe { dequantize_block::<I>(self, codes, s, out) }
+    }
+}
+
 /// One dynamic map, with the lookup tables of the fast quantizer.
 pub struct Map {
     /// The value of each code, increasing.
@@ -35,6 +84,10 @@ pub struct Map {
     /// bits, and above them the low 16 bits from which floats of the bucket have the next code
     /// (one further from zero; 0x10000: none).
     table: Box<[u32; BUCKETS]>,
+    /// The paths with lookups in registers ([`Isa::search256`]): the smallest `y` of each code
+    /// `1..=255` (`code_ref` is monotone in `y`, so the code is the number of them `<= y`), as
+    /// the levels of a binary search.
+    tree: [f32; 256],
 }
 
 /// Buckets of one sign: magnitudes up to 1.0 by their top 15 bits (below the sign), then one
@@ -67,7 +120,38 @@ impl Map {
                 .into_boxed_slice()
                 .try_into()
                 .expect("BUCKETS entries"),
+            tree: [0.0; 256],
         };
+        // The thresholds: for each code, the first float of [-1, 1] (in the floats' order) with
+        // that code or a larger one, by bisection over the order.
+        let key = |f: f32| {
+            let b = f.to_bits();
+            if b >> 31 == 1 {
+                !b
+            } else {
+                b | 0x8000_0000
+            }
+        };
+        let unkey = |k: u32| f32::from_bits(if k >> 31 == 1 { k & 0x7fff_ffff } else { !k });
+        let mut first = [0.0f32; 256];
+        for (j, f) in first.iter_mut().enumerate().skip(1) {
+            let (mut lo, mut hi) = (key(-1.0), key(1.0)); // code(lo) < j <= code(hi)
+            assert!(m.code_ref(-1.0) < j as u8 && m.code_ref(1.0) >= j as u8);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if m.code_ref(unkey(mid)) >= j as u8 {
+                    hi = mid;
+                } else {
+                    lo = mid;
+                }
+            }
+            *f = unkey(hi);
+        }
+        for l in 0..8 {
+            for i in 0..(1usize << l) {
+                m.tree[(1 << l) + i] = first[(2 * i + 1) * (128 >> l)];
+            }
+        }
         // The code is monotone in y: within a bucket it changes at most once (asserted), where
         // bisection over the low 16 bits finds it.
         for idx in 0..BUCKETS as u32 {
@@ -123,12 +207,17 @@ impl Map {
         decode(b, self.table[bucket(b) as usize])
     }
 
-    /// [`Map::code`] for a lane block, by the path's gather.
+    /// [`Map::code`] for a lane block: by the path's gather of the bucket table, or where the
+    /// path searches in registers, by [`Isa::search256`] over the thresholds.
     ///
     /// # Safety
     /// The CPU supports `I`.
     #[inline(always)]
     unsafe fn codes<I: Isa>(&self, y: &Block) -> [u8; LANES] {
+        if I::SEARCH_IN_REGISTERS {
+            // SAFETY: the caller's contract.
+            return unsafe { I::search256(&self.tree, y) };
+        }
         let bits = y.map(f32::to_bits);
         // SAFETY: `bucket` < BUCKETS, the table's length; CPU support is the caller's contract.
         let e = unsafe { I::gather_u32(&self.table[..], &bits.map(bucket)) };
@@ -200,28 +289,28 @@ pub unsafe fn quantize_block<I: Isa>(map: &Map, x: &[f32; QBLOCK], codes: &mut [
 pub unsafe fn dequantize_block<I: Isa>(map: &Map, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
     let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
     for (c, o) in cb.iter().zip(ob) {
-        // SAFETY: codes index the 256 values; CPU support is the caller's contract.
-        let q = unsafe { I::gather_f32(&map.q, &c.map(|k| k as u32)) };
+        // SAFETY: CPU support is the caller's contract.
+        let q = unsafe { I::lookup256(&map.q, c) };
         *o = q.map(|v| v * s);
     }
 }
 
 /// Quantizes `x` (a multiple of [`QBLOCK`] elements) into `codes` and `absmax` (conversions
 /// of loaded state: the portable path, the same codes as every path).
-pub fn quantize(map: &Map, x: &[f32], codes: &mut [u8], scales: &mut [f32]) {
+pub fn quantize<C: Codec>(map: &C, x: &[f32], codes: &mut [u8], scales: &mut [f32]) {
     let (xb, codes) = (x.as_chunks::<QBLOCK>().0, codes.as_chunks_mut::<QBLOCK>().0);
     for ((x, c), s) in xb.iter().zip(codes).zip(scales) {
         // SAFETY: the portable path runs on every CPU.
-        *s = unsafe { quantize_block::<Generic>(map, x, c) };
+        *s = unsafe { map.quantize::<Generic>(x, c) };
     }
 }
 
-/// Dequantizes `codes` and `absmax` into `out`.
-pub fn dequantize(map: &Map, codes: &[u8], scales: &[f32], out: &mut [f32]) {
+/// Dequantizes `codes` and `absmax` (or scales) into `out`.
+pub fn dequantize<C: Codec>(map: &C, codes: &[u8], scales: &[f32], out: &mut [f32]) {
     let (cb, ob) = (codes.as_chunks::<QBLOCK>().0, out.as_chunks_mut::<QBLOCK>().0);
     for ((c, o), &s) in cb.iter().zip(ob).zip(scales) {
         // SAFETY: the portable path runs on every CPU.
-        unsafe { dequantize_block::<Generic>(map, c, s, o) };
+        unsafe { map.dequantize::<Generic>(c, s, o) };
     }
 }
 
@@ -276,21 +365,41 @@ fn element<const AMS: bool, const DELTA: bool>(
 /// Lane blocks per quantization block.
 const SUB: usize = QBLOCK / LANES;
 
-/// One quantization block's codes, absmax and dequantized values.
-struct Moment<'s, 'a> {
-    m: &'s mut Q8Mut<'a>,
-    map: &'static Map,
-    x: [f32; QBLOCK],
+/// A block's values on a cache line boundary: the lane loops' vector loads and stores then never
+/// split a line (a plain `[f32; QBLOCK]` on the stack is only 4-byte aligned).
+#[repr(C, align(64))]
+struct Values([f32; QBLOCK]);
+
+impl std::ops::Deref for Values {
+    type Target = [f32; QBLOCK];
+    #[inline(always)]
+    fn deref(&self) -> &[f32; QBLOCK] {
+        &self.0
+    }
 }
 
-impl<'s, 'a> Moment<'s, 'a> {
+impl std::ops::DerefMut for Values {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut [f32; QBLOCK] {
+        &mut self.0
+    }
+}
+
+/// One quantization block's codes, float (absmax or scale) and dequantized values.
+struct Moment<'s, 'a, C: Codec> {
+    m: &'s mut Q8Mut<'a>,
+    map: &'static C,
+    x: Values,
+}
+
+impl<'s, 'a, C: Codec> Moment<'s, 'a, C> {
     /// # Safety
     /// The CPU supports `I`.
     #[inline(always)]
-    unsafe fn open<I: Isa>(m: &'s mut Q8Mut<'a>, map: &'static Map, qb: usize) -> Moment<'s, 'a> {
-        let mut x = [0.0; QBLOCK];
+    unsafe fn open<I: Isa>(m: &'s mut Q8Mut<'a>, map: &'static C, qb: usize) -> Moment<'s, 'a, C> {
+        let mut x = Values([0.0; QBLOCK]);
         // SAFETY: the caller's contract.
-        unsafe { dequantize_block::<I>(map, &m.codes.as_chunks::<QBLOCK>().0[qb], m.absmax[qb], &mut x) };
+        unsafe { map.dequantize::<I>(&m.codes.as_chunks::<QBLOCK>().0[qb], m.absmax[qb], &mut x) };
         Moment { m, map, x }
     }
     /// With `EXACT`, the specification's search; otherwise the fast quantizer on `I`.
@@ -301,10 +410,10 @@ impl<'s, 'a> Moment<'s, 'a> {
     unsafe fn close<I: Isa, const EXACT: bool>(self, qb: usize) {
         let codes = &mut self.m.codes.as_chunks_mut::<QBLOCK>().0[qb];
         self.m.absmax[qb] = if EXACT {
-            quantize_block_ref(self.map, &self.x, codes)
+            self.map.quantize_ref(&self.x, codes)
         } else {
             // SAFETY: the caller's contract.
-            unsafe { quantize_block::<I>(self.map, &self.x, codes) }
+            unsafe { self.map.quantize::<I>(&self.x, codes) }
         };
     }
 }
@@ -312,7 +421,7 @@ impl<'s, 'a> Moment<'s, 'a> {
 /// The specification of the quantized update: element by element in [`element`], the search
 /// quantizer. `out`: the low-precision weight copy (see `Segment`); with `inout` the gradients
 /// are read from it (and `g` is empty).
-pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
+pub fn update_ref<G: Elem, O: Elem, C: Codec, const AMS: bool>(
     c: &Consts,
     p: &mut [f32],
     g: &[G],
@@ -326,11 +435,11 @@ pub fn update_ref<G: Elem, O: Elem, const AMS: bool>(
     let n = kahan.as_ref().map_or(p.len(), |k| k.w.len());
     for qb in 0..n / QBLOCK {
         // SAFETY: the portable path runs on every CPU.
-        let mut mm = unsafe { Moment::open::<Generic>(&mut m, signed(), qb) };
-        let mut vv = unsafe { Moment::open::<Generic>(&mut v, unsigned(), qb) };
+        let mut mm = unsafe { Moment::open::<Generic>(&mut m, C::first(), qb) };
+        let mut vv = unsafe { Moment::open::<Generic>(&mut v, C::second(), qb) };
         let mut xx = x
             .as_mut()
-            .map(|x| unsafe { Moment::open::<Generic>(x, unsigned(), qb) });
+            .map(|x| unsafe { Moment::open::<Generic>(x, C::second(), qb) });
         for j in 0..QBLOCK {
             let i = qb * QBLOCK + j;
             let gi = match out.as_deref_mut() {
@@ -405,7 +514,7 @@ unsafe fn out_grad<I: Isa>(out: &OutMut<'_>, b: usize) -> Block {
 /// The CPU supports `I`; every slice has `p.len()` elements, a multiple of [`QBLOCK`] (the
 /// moments' codes too, their absmax one per block), `out` too if it is a copy.
 #[inline(always)]
-pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
+pub(super) unsafe fn body<I: Isa, G: BlockIo, C: Codec, const AMS: bool>(
     c: &Consts,
     p: &mut [f32],
     g: Option<&[G]>,
@@ -424,10 +533,10 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, const AMS: bool>(
     };
     for qb in 0..full / SUB {
         // SAFETY: the CPU supports `I` (the caller's contract).
-        let mut mm = unsafe { Moment::open::<I>(&mut m, signed(), qb) };
-        let mut vv = unsafe { Moment::open::<I>(&mut v, unsigned(), qb) };
+        let mut mm = unsafe { Moment::open::<I>(&mut m, C::first(), qb) };
+        let mut vv = unsafe { Moment::open::<I>(&mut v, C::second(), qb) };
         let mut xx = if AMS {
-            x.as_mut().map(|x| unsafe { Moment::open::<I>(x, unsigned(), qb) })
+            x.as_mut().map(|x| unsafe { Moment::open::<I>(x, C::second(), qb) })
         } else {
             None
         };
@@ -515,7 +624,11 @@ mod tests {
     #[test]
     fn the_fast_code_is_the_search_on_every_float_that_matters() {
         for m in [signed(), unsigned()] {
-            let check = |y: f32| assert_eq!(m.code(y), m.code_ref(y), "y = {y:e} ({:#x})", y.to_bits());
+            let check = |y: f32| {
+                assert_eq!(m.code(y), m.code_ref(y), "y = {y:e} ({:#x})", y.to_bits());
+                // The thresholds' search (the in-register paths' specification) too.
+                assert_eq!(crate::isa::search256_lane(&m.tree, y), m.code_ref(y), "tree, y = {y:e}");
+            };
             for idx in 0..BUCKETS as u32 {
                 let thr = m.table[idx as usize] >> 8;
                 let (sign, mag) = ((idx / HALF) << 31, idx % HALF);
@@ -540,12 +653,70 @@ mod tests {
                 let y = ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 10f32.powi(-((s & 7) as i32));
                 check(y);
             }
+            // Each threshold of the tree and its neighbours.
+            for &t in &m.tree[1..] {
+                let b = t.to_bits();
+                for y in [t, f32::from_bits(b.wrapping_sub(1)), f32::from_bits(b + 1)] {
+                    if y.is_finite() && y.abs() <= 1.0 {
+                        check(y);
+                    }
+                }
+            }
             assert_eq!(m.code(f32::NAN), 0);
             assert_eq!(m.code_ref(f32::NAN), 0);
+            assert_eq!(crate::isa::search256_lane(&m.tree, f32::NAN), 0);
             check(0.0);
             check(-0.0);
             check(1.0);
             check(-1.0);
+        }
+    }
+
+    /// The in-register lookups of the AVX-512 VBMI paths against the specification (where the
+    /// CPU has them; elsewhere the test says it did not run).
+    #[test]
+    fn the_in_register_lookups_are_the_tables() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::{Avx512Vbmi, Simd};
+            if !Simd::Avx512Vbmi.supported() {
+                eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                return;
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]
+            unsafe fn run(m: &Map, y: &Block, c: &[u8; LANES]) -> ([u8; LANES], Block) {
+                unsafe { (Avx512Vbmi::search256(&m.tree, y), Avx512Vbmi::lookup256(&m.q, c)) }
+            }
+            let mut s = 0x2545_f491_4f6c_dd1du64;
+            for m in [signed(), unsigned()] {
+                for round in 0..200_000u32 {
+                    let mut y = [0.0f32; LANES];
+                    let mut c = [0u8; LANES];
+                    for i in 0..LANES {
+                        s ^= s << 13;
+                        s ^= s >> 7;
+                        s ^= s << 17;
+                        let t = m.tree[1 + (s as usize % 255)];
+                        // thresholds, their neighbours, and spread values
+                        y[i] = match s >> 62 {
+                            0 => t,
+                            1 => f32::from_bits(t.to_bits().wrapping_add(((s >> 32) % 5) as u32).wrapping_sub(2)),
+                            _ => ((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 10f32.powi(-(((s >> 8) & 7) as i32)),
+                        };
+                        if round == 0 && i == 0 {
+                            y[i] = f32::NAN;
+                        }
+                        c[i] = (s >> 16) as u8;
+                    }
+                    let (codes, vals) = unsafe { run(m, &y, &c) };
+                    for i in 0..LANES {
+                        if y[i].is_nan() || y[i].abs() <= 1.0 {
+                            assert_eq!(codes[i], m.code_ref(y[i]), "y = {:e}", y[i]);
+                        }
+                        assert_eq!(vals[i].to_bits(), m.q[c[i] as usize].to_bits());
+                    }
+                }
+            }
         }
     }
 

@@ -139,9 +139,16 @@ pub enum StateMut<'a> {
         codes: &'a mut [u8],
         absmax: &'a mut [f32],
     },
+    /// Block-quantized to float8_e4m3fn ([`super::fp8`]): one code per element, one scale per
+    /// [`q8::QBLOCK`] elements.
+    Fp8 {
+        codes: &'a mut [u8],
+        scale: &'a mut [f32],
+    },
 }
 
-/// A quantized moment's codes and absmax, split out of [`StateMut::Q8`].
+/// A quantized moment's codes and absmax (the fp8 codec: its scale), split out of
+/// [`StateMut::Q8`] or [`StateMut::Fp8`].
 pub struct Q8Mut<'a> {
     pub codes: &'a mut [u8],
     pub absmax: &'a mut [f32],
@@ -189,26 +196,27 @@ impl<'a> StateMut<'a> {
         match self {
             StateMut::F32(s) => s.len(),
             StateMut::Bf16(s) => s.len(),
-            StateMut::Q8 { codes, .. } => codes.len(),
+            StateMut::Q8 { codes, .. } | StateMut::Fp8 { codes, .. } => codes.len(),
         }
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    /// Which storage: 0 float32, 1 bfloat16, 2 quantized.
+    /// Which storage: 0 float32, 1 bfloat16, 2 quantized (dynamic map), 3 fp8.
     pub(super) fn codec(&self) -> u8 {
         match self {
             StateMut::F32(_) => 0,
             StateMut::Bf16(_) => 1,
             StateMut::Q8 { .. } => 2,
+            StateMut::Fp8 { .. } => 3,
         }
     }
     /// A quantized moment's length and absmax agree (whole blocks).
     pub(super) fn check_q8(&self, what: &str) -> Result<()> {
-        if let StateMut::Q8 { codes, absmax } = self {
+        if let StateMut::Q8 { codes, absmax } | StateMut::Fp8 { codes, scale: absmax } = self {
             if !codes.len().is_multiple_of(q8::QBLOCK) || absmax.len() != codes.len() / q8::QBLOCK {
                 return Err(Error::Value(format!(
-                    "{what}: {} codes need {} absmax values, got {} (whole blocks of {})",
+                    "{what}: {} codes need {} absmax/scale values, got {} (whole blocks of {})",
                     codes.len(),
                     codes.len() / q8::QBLOCK,
                     absmax.len(),
@@ -236,6 +244,15 @@ impl<'a> StateMut<'a> {
                 (
                     StateMut::Q8 { codes: c0, absmax: a0 },
                     StateMut::Q8 { codes: c1, absmax: a1 },
+                )
+            }
+            StateMut::Fp8 { codes, scale } => {
+                debug_assert_eq!(mid % q8::QBLOCK, 0);
+                let (c0, c1) = codes.split_at_mut(mid);
+                let (a0, a1) = scale.split_at_mut(mid / q8::QBLOCK);
+                (
+                    StateMut::Fp8 { codes: c0, scale: a0 },
+                    StateMut::Fp8 { codes: c1, scale: a1 },
                 )
             }
         }

@@ -424,6 +424,17 @@ struct Q8Bufs {
     xc: Vec<u8>,
     xs: Vec<f32>,
     o: Vec<Bf16>,
+    /// The fp8 codec instead of the dynamic maps.
+    fp8: bool,
+}
+
+/// A quantized moment of either codec.
+fn qstate<'a>(fp8: bool, codes: &'a mut [u8], absmax: &'a mut [f32]) -> StateMut<'a> {
+    if fp8 {
+        StateMut::Fp8 { codes, scale: absmax }
+    } else {
+        StateMut::Q8 { codes, absmax }
+    }
 }
 
 impl Q8Bufs {
@@ -441,6 +452,14 @@ impl Q8Bufs {
             vs: vec![0.0; b],
             xc: vec![0; n],
             xs: vec![0.0; b],
+            fp8: false,
+        }
+    }
+
+    fn fp8(n: usize, seed: u64) -> Q8Bufs {
+        Q8Bufs {
+            fp8: true,
+            ..Q8Bufs::new(n, seed)
         }
     }
 
@@ -465,18 +484,9 @@ impl Q8Bufs {
                 } else {
                     GradRef::Bf16(&self.g)
                 },
-                exp_avg: StateMut::Q8 {
-                    codes: &mut self.mc,
-                    absmax: &mut self.ms,
-                },
-                exp_avg_sq: StateMut::Q8 {
-                    codes: &mut self.vc,
-                    absmax: &mut self.vs,
-                },
-                max_exp_avg_sq: Some(StateMut::Q8 {
-                    codes: &mut self.xc,
-                    absmax: &mut self.xs,
-                }),
+                exp_avg: qstate(self.fp8, &mut self.mc, &mut self.ms),
+                exp_avg_sq: qstate(self.fp8, &mut self.vc, &mut self.vs),
+                max_exp_avg_sq: Some(qstate(self.fp8, &mut self.xc, &mut self.xs)),
                 out: if mode == 0 {
                     OutMut::None
                 } else {
@@ -491,26 +501,100 @@ impl Q8Bufs {
 
 #[test]
 fn quantized_moments_every_path_is_the_specification_bitwise() {
-    // Several chunks (CHUNK = 128 blocks), threads, modes.
+    // Several chunks (CHUNK = 128 blocks), threads, modes, both codecs.
     let n = 2 * CHUNK + 4096;
-    for &(decoupled, amsgrad, wd) in &[(true, false, 0.01), (false, true, 0.01), (true, true, 0.0)] {
-        for mode in 0..3u8 {
-            let h = hyper(decoupled, amsgrad, false, wd);
-            let mut want = Q8Bufs::new(n, 5);
-            want.run(&h, Simd::Scalar, 1, 6, mode);
-            for simd in Simd::available() {
-                for threads in [1, 3] {
-                    let mut got = Q8Bufs::new(n, 5);
-                    got.run(&h, simd, threads, 6, mode);
-                    assert!(
-                        got == want,
-                        "{} threads {threads} mode {mode} {decoupled} {amsgrad}",
-                        simd.name()
-                    );
-                }
+    for fp8 in [false, true] {
+        let make = |seed| {
+            if fp8 {
+                Q8Bufs::fp8(n, seed)
+            } else {
+                Q8Bufs::new(n, seed)
             }
-            assert!(want.mc.iter().any(|&c| c != want.mc[0]), "codes move");
+        };
+        for &(decoupled, amsgrad, wd) in &[(true, false, 0.01), (false, true, 0.01), (true, true, 0.0)] {
+            for mode in 0..3u8 {
+                let h = hyper(decoupled, amsgrad, false, wd);
+                let mut want = make(5);
+                want.run(&h, Simd::Scalar, 1, 6, mode);
+                for simd in Simd::available() {
+                    for threads in [1, 3] {
+                        let mut got = make(5);
+                        got.run(&h, simd, threads, 6, mode);
+                        assert!(
+                            got == want,
+                            "{} threads {threads} mode {mode} {decoupled} {amsgrad} fp8 {fp8}",
+                            simd.name()
+                        );
+                    }
+                }
+                assert!(want.mc.iter().any(|&c| c != want.mc[0]), "codes move");
+            }
         }
+    }
+}
+
+#[test]
+fn fp8_moments_track_the_float32_update_and_a_nan_block_stays_in_its_block() {
+    let n = 8192;
+    let h = hyper(true, false, false, 0.01);
+    let mut q = Q8Bufs::fp8(n, 9);
+    q.run(&h, Simd::best(), 1, 20, 0);
+    let mut d = Q8Bufs::new(n, 9);
+    d.run(&h, Simd::best(), 1, 20, 0);
+    let mut f = Bufs::new(n, 9);
+    f.p = Q8Bufs::new(n, 9).p;
+    f.m.fill(0.0);
+    f.v.fill(0.0);
+    let mut r = Rng(77);
+    for t in 1..=20 {
+        let g: Vec<f32> = r.vec(n, 0.1).iter().map(|x| Bf16::from_f32(*x).to_f32()).collect();
+        let seg = Segment {
+            consts: Consts::new(&h, t),
+            amsgrad: false,
+            param: &mut f.p,
+            grad: GradRef::F32(&g),
+            exp_avg: StateMut::F32(&mut f.m),
+            exp_avg_sq: StateMut::F32(&mut f.v),
+            max_exp_avg_sq: None,
+            out: OutMut::None,
+            kahan: None,
+        };
+        adam_step(Simd::best(), None, vec![seg]).unwrap();
+    }
+    let start = Q8Bufs::new(n, 9).p;
+    let moved: f32 = f.p.iter().zip(&start).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32;
+    let err: f32 = f.p.iter().zip(&q.p).map(|(a, b)| (a - b).abs()).sum::<f32>() / n as f32;
+    assert!(moved > 1e-3, "{moved}");
+    assert!(err < 0.05 * moved, "{err} vs {moved}");
+    let mut m = vec![0.0; n];
+    q8::dequantize(&fp8::FP8, &q.mc, &q.ms, &mut m);
+    let rel: f32 =
+        m.iter().zip(&f.m).map(|(a, b)| (a - b).abs()).sum::<f32>() / f.m.iter().map(|x| x.abs()).sum::<f32>();
+    assert!(rel < 0.1, "{rel}");
+    // A NaN gradient: its block's moments become NaN (scale and codes), the others do not.
+    for simd in Simd::available() {
+        let mut q = Q8Bufs::fp8(n, 9);
+        q.run(&h, simd, 1, 2, 0);
+        let pool = crate::pool::get(1).unwrap();
+        let mut g: Vec<Bf16> = vec![Bf16::from_f32(0.01); n];
+        g[300] = Bf16::from_f32(f32::NAN);
+        let seg = Segment {
+            consts: Consts::new(&h, 3),
+            amsgrad: false,
+            param: &mut q.p,
+            grad: GradRef::Bf16(&g),
+            exp_avg: qstate(true, &mut q.mc, &mut q.ms),
+            exp_avg_sq: qstate(true, &mut q.vc, &mut q.vs),
+            max_exp_avg_sq: None,
+            out: OutMut::None,
+            kahan: None,
+        };
+        adam_step(simd, pool.as_deref(), vec![seg]).unwrap();
+        assert!(q.ms[1].is_nan() && q.vs[1].is_nan());
+        assert!(q.mc[256..512].iter().all(|&c| c & 0x7f == 0x7f));
+        assert!(q.ms.iter().enumerate().all(|(i, s)| i == 1 || s.is_finite()));
+        // The update uses the unquantized moments: only the NaN's own weight, this step.
+        assert!(q.p[300].is_nan() && q.p.iter().enumerate().all(|(i, x)| i == 300 || x.is_finite()));
     }
 }
 
@@ -584,7 +668,7 @@ fn quantized_segments_need_whole_blocks() {
 /// bf16 weights with Kahan compensation, float or quantized moments: `steps` updates.
 fn run_kahan(
     n: usize,
-    q8: bool,
+    q8: u8, // 0: float moments, 1: the dynamic maps, 2: fp8
     amsgrad: bool,
     simd: Simd,
     threads: usize,
@@ -605,20 +689,12 @@ fn run_kahan(
     let pool = crate::pool::get(threads).unwrap();
     for t in 1..=steps {
         let g: Vec<f32> = r.vec(n, 0.1);
-        let (em, ev, ex) = if q8 {
+        let (em, ev, ex) = if q8 > 0 {
+            let fp8 = q8 == 2;
             (
-                StateMut::Q8 {
-                    codes: &mut mc,
-                    absmax: &mut ms,
-                },
-                StateMut::Q8 {
-                    codes: &mut vc,
-                    absmax: &mut vs,
-                },
-                StateMut::Q8 {
-                    codes: &mut xc,
-                    absmax: &mut xs,
-                },
+                qstate(fp8, &mut mc, &mut ms),
+                qstate(fp8, &mut vc, &mut vs),
+                qstate(fp8, &mut xc, &mut xs),
             )
         } else {
             (StateMut::F32(&mut m), StateMut::F32(&mut v), StateMut::F32(&mut x))
@@ -644,9 +720,9 @@ fn run_kahan(
 
 #[test]
 fn kahan_weights_are_the_same_on_every_path_and_thread_count() {
-    for q8 in [false, true] {
+    for q8 in [0, 1, 2] {
         for amsgrad in [false, true] {
-            let n = if q8 { CHUNK + 4096 } else { CHUNK + 4096 + 7 }; // a tail of 7 without blocks
+            let n = if q8 > 0 { CHUNK + 4096 } else { CHUNK + 4096 + 7 }; // a tail of 7 without blocks
             let want = run_kahan(n, q8, amsgrad, Simd::Scalar, 1, 5, 1e-3);
             for simd in Simd::available() {
                 for threads in [1, 3] {
@@ -672,7 +748,7 @@ fn kahan_weights_keep_updates_that_bf16_rounding_loses() {
     // the weight plus its compensation following the fp32 master.
     let n = 4096;
     let (lr, steps) = (1e-5, 200);
-    let (w, comp) = run_kahan(n, false, false, Simd::best(), 1, steps, lr);
+    let (w, comp) = run_kahan(n, 0, false, Simd::best(), 1, steps, lr);
     let mut f = Bufs::new(n, 0);
     let mut r = Rng(31);
     f.p = r.vec(n, 1.0).iter().map(|x| Bf16::from_f32(*x).to_f32()).collect();

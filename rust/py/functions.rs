@@ -6,7 +6,7 @@ use pyo3::prelude::*;
 use super::convert::{err, hyper, pool, simd_or_default, type_error, value_error};
 use super::dlpack::{carve_sets, DType, Import, Writable};
 use crate::isa::Simd;
-use crate::kernel::{self, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
+use crate::kernel::{self, fp8, q8, Consts, GradRef, HostMut, OutMut, Segment, StateMut};
 use crate::layout::overlaps;
 
 /// Imports read-only host tensors (the reductions' inputs).
@@ -270,15 +270,17 @@ fn map_of(signed: bool) -> &'static q8::Map {
 
 /// Block-quantizes float32 `src` (whole blocks of `QBLOCK` elements) into `codes` (uint8) and
 /// `absmax` (float32, one per block), as a step stores a moment: the signed map (`exp_avg`) or
-/// the unsigned one (`exp_avg_sq`, `max_exp_avg_sq`).
+/// the unsigned one (`exp_avg_sq`, `max_exp_avg_sq`); with `fp8`, float8_e4m3fn codes (their
+/// bytes) and one scale per block, for every moment.
 #[pyfunction]
-#[pyo3(signature = (src, codes, absmax, *, signed))]
+#[pyo3(signature = (src, codes, absmax, *, signed, fp8=false))]
 pub fn quantize(
     py: Python<'_>,
     src: &Bound<'_, PyAny>,
     codes: &Bound<'_, PyAny>,
     absmax: &Bound<'_, PyAny>,
     signed: bool,
+    fp8: bool,
 ) -> PyResult<()> {
     let mut w = codec_buffers([
         (src, "src", DType::F32),
@@ -290,22 +292,28 @@ pub fn quantize(
     match (b[0].take(), b[1].take(), b[2].take()) {
         (Some(HostMut::F32(x)), Some(HostMut::U8(c)), Some(HostMut::F32(s))) => {
             check_blocks(x.len(), c.len(), s.len())?;
-            py.detach(|| q8::quantize(map_of(signed), x, c, s));
+            if fp8 {
+                py.detach(|| q8::quantize(&fp8::FP8, x, c, s));
+            } else {
+                py.detach(|| q8::quantize(map_of(signed), x, c, s));
+            }
             Ok(())
         }
         _ => unreachable!("dtypes checked"),
     }
 }
 
-/// The float32 values of block-quantized `codes` and `absmax` into `out`.
+/// The float32 values of block-quantized `codes` and `absmax` (with `fp8`: fp8 codes' bytes and
+/// scales) into `out`.
 #[pyfunction]
-#[pyo3(signature = (codes, absmax, out, *, signed))]
+#[pyo3(signature = (codes, absmax, out, *, signed, fp8=false))]
 pub fn dequantize(
     py: Python<'_>,
     codes: &Bound<'_, PyAny>,
     absmax: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
     signed: bool,
+    fp8: bool,
 ) -> PyResult<()> {
     let mut w = codec_buffers([
         (codes, "codes", DType::U8),
@@ -317,7 +325,11 @@ pub fn dequantize(
     match (b[0].take(), b[1].take(), b[2].take()) {
         (Some(HostMut::U8(c)), Some(HostMut::F32(s)), Some(HostMut::F32(x))) => {
             check_blocks(x.len(), c.len(), s.len())?;
-            py.detach(|| q8::dequantize(map_of(signed), c, s, x));
+            if fp8 {
+                py.detach(|| q8::dequantize(&fp8::FP8, c, s, x));
+            } else {
+                py.detach(|| q8::dequantize(map_of(signed), c, s, x));
+            }
             Ok(())
         }
         _ => unreachable!("dtypes checked"),

@@ -60,9 +60,9 @@ struct Inner {
     /// Gradients read from the parameters' `.grad`, or (None) from the landing buffers.
     grads: Option<GradCache>,
     state_dtype: DType,
-    /// Moments in uint8 buffers: per slot, its first byte in each moment buffer and whether it
-    /// is quantized (codes, then one float32 absmax per block) or float32.
-    moments: Option<Vec<(usize, bool)>>,
+    /// Moments in uint8 buffers: per slot, its first byte in each moment buffer and its codec
+    /// ([`MomentCodec`]).
+    moments: Option<Vec<(usize, MomentCodec)>>,
 }
 
 /// The host state of one param group (see the module documentation).
@@ -129,9 +129,39 @@ fn import_param(p: &Bound<'_, PyAny>, name: &str) -> PyResult<(Param, Import)> {
     Ok((param, imp))
 }
 
+/// How a slot of a uint8 moment buffer holds its moment: float32 (`4 n` bytes), or block-quantized
+/// (`n` codes, then `n / 256` float32 absmax or scale values) with the dynamic maps or in fp8.
+/// Python passes 0, 1 and 2.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum MomentCodec {
+    F32,
+    Q8,
+    Fp8,
+}
+
+impl<'py> FromPyObject<'_, 'py> for MomentCodec {
+    type Error = PyErr;
+    fn extract(ob: pyo3::Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        match ob.extract::<u8>()? {
+            0 => Ok(MomentCodec::F32),
+            1 => Ok(MomentCodec::Q8),
+            2 => Ok(MomentCodec::Fp8),
+            k => Err(value_error(format!(
+                "moments: codec {k} is none of 0 (float32), 1 (8-bit maps), 2 (fp8)"
+            ))),
+        }
+    }
+}
+
+impl MomentCodec {
+    fn quantized(self) -> bool {
+        self != MomentCodec::F32
+    }
+}
+
 /// Bytes of a slot of `n` elements in a uint8 moment buffer.
-fn moment_bytes(n: usize, quantized: bool) -> usize {
-    if quantized {
+fn moment_bytes(n: usize, codec: MomentCodec) -> usize {
+    if codec.quantized() {
         n + 4 * (n / q8::QBLOCK)
     } else {
         4 * n
@@ -140,14 +170,14 @@ fn moment_bytes(n: usize, quantized: bool) -> usize {
 
 /// The uint8 moments' slots: quantized ones in whole blocks, each on a 4-byte boundary, inside
 /// the buffers, none overlapping.
-fn check_moments(m: &[(usize, bool)], lens: &[usize], names: &[String], total: usize) -> PyResult<()> {
+fn check_moments(m: &[(usize, MomentCodec)], lens: &[usize], names: &[String], total: usize) -> PyResult<()> {
     if m.len() != lens.len() {
-        return Err(value_error("moments: one (offset, quantized) per slot"));
+        return Err(value_error("moments: one (offset, codec) per slot"));
     }
     let mut ranges = Vec::with_capacity(m.len());
     for (i, (&(off, q), &n)) in m.iter().zip(lens).enumerate() {
         let name = &names[i];
-        if q && !n.is_multiple_of(q8::QBLOCK) {
+        if q.quantized() && !n.is_multiple_of(q8::QBLOCK) {
             return Err(value_error(format!(
                 "{name}: a quantized moment needs whole blocks of {} elements, it has {n}",
                 q8::QBLOCK
@@ -170,10 +200,10 @@ fn check_moments(m: &[(usize, bool)], lens: &[usize], names: &[String], total: u
     Ok(())
 }
 
-/// Carves the uint8 moment buffer `b` into the slots `items` (first byte, elements, quantized).
+/// Carves the uint8 moment buffer `b` into the slots `items` (first byte, elements, codec).
 fn carve_moments<'a>(
     b: Option<HostMut<'a>>,
-    items: &[(usize, usize, bool)],
+    items: &[(usize, usize, MomentCodec)],
     what: &str,
 ) -> PyResult<Vec<StateMut<'a>>> {
     let Some(HostMut::U8(s)) = b else {
@@ -186,11 +216,13 @@ fn carve_moments<'a>(
         .into_iter()
         .zip(items)
         .map(|(piece, &(_, n, q))| {
-            Ok(if q {
+            Ok(if q.quantized() {
                 let (codes, rest) = piece.split_at_mut(n);
-                StateMut::Q8 {
-                    codes,
-                    absmax: bytemuck::try_cast_slice_mut(rest).map_err(misaligned)?,
+                let absmax = bytemuck::try_cast_slice_mut(rest).map_err(misaligned)?;
+                if q == MomentCodec::Fp8 {
+                    StateMut::Fp8 { codes, scale: absmax }
+                } else {
+                    StateMut::Q8 { codes, absmax }
                 }
             } else {
                 StateMut::F32(bytemuck::try_cast_slice_mut(piece).map_err(misaligned)?)
@@ -262,8 +294,9 @@ impl StateSet {
     /// keep no float32 master: their weights are updated with Kahan compensation in `comp`.
     ///
     /// Moments in uint8 buffers need `moments`: per slot, its first byte in each moment buffer
-    /// and whether it is block-quantized (`n` codes then `n / 256` float32 absmax values) or
-    /// float32 (`4 n` bytes); `state_offsets` then place the slots in `master` only.
+    /// and its codec: 1 block-quantized with the 8-bit maps or 2 in fp8 (`n` codes then `n / 256`
+    /// float32 absmax or scale values), or 0 float32 (`4 n` bytes); `state_offsets` then place
+    /// the slots in `master` only.
     #[pyo3(signature = (lens, state_offsets, names, exp_avg, exp_avg_sq, steps, master=None, max_exp_avg_sq=None,
         *, params=None, landing=None, landing_slots=None, moments=None, comp=None))]
     fn new(
@@ -278,7 +311,7 @@ impl StateSet {
         params: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing: Option<Vec<Option<Bound<'_, PyAny>>>>,
         landing_slots: Option<Vec<(usize, usize)>>,
-        moments: Option<Vec<(usize, bool)>>,
+        moments: Option<Vec<(usize, MomentCodec)>>,
         comp: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<StateSet> {
         let n = lens.len();
@@ -699,11 +732,11 @@ pub fn adam_step(
             }
         }
         let ranges: Vec<(usize, usize)> = sel.iter().map(|&i| (slots[i].state, slots[i].len)).collect();
-        let items: Option<Vec<(usize, usize, bool)>> =
+        let items: Option<Vec<(usize, usize, MomentCodec)>> =
             moments.map(|mo| sel.iter().map(|&i| (mo[i].0, slots[i].len, mo[i].1)).collect());
         fn moment<'b>(
             b: Option<HostMut<'b>>,
-            items: &Option<Vec<(usize, usize, bool)>>,
+            items: &Option<Vec<(usize, usize, MomentCodec)>>,
             ranges: &[(usize, usize)],
             what: &str,
         ) -> PyResult<Vec<StateMut<'b>>> {

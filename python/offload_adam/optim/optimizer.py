@@ -215,7 +215,7 @@ class _State(defaultdict):  # type: ignore[type-arg]
 
 
 # Every key the schema may put in an entry, in any codec.
-_SCHEMA_KEYS = frozenset({MASTER_KEY, COMP_KEY} | {m.key + s for m in moments(True) for s in ("", "_codes", "_absmax")})
+_SCHEMA_KEYS = frozenset({MASTER_KEY, COMP_KEY} | {m.key + s for m in moments(True) for s in ("", "_codes", "_absmax", "_scale")})
 
 
 def _unaliased(entry: dict[str, Any], ranges: list[tuple[int, int]]) -> dict[str, Any]:
@@ -300,7 +300,11 @@ def _optimizer_doc(name: str) -> str:
             (under 4096 elements, not whole blocks, complex) keep float32 moments; ``state[p]``
             then holds ``exp_avg_codes``/``exp_avg_absmax`` (and the same for ``exp_avg_sq`` and
             ``max_exp_avg_sq``) instead of ``exp_avg``: ``offload_adam.dequantized`` turns such a
-            state dict into one torch loads.
+            state dict into one torch loads. ``torch.float8_e4m3fn``: fp8 moments as torchao's
+            ``AdamWFp8`` defines them (blocks of 256 with a float32 scale ``absmax / 448``, codes
+            ``(x / scale)`` rounded to float8_e4m3fn, its update arithmetic), the same bytes as
+            uint8 and the same float32 fallback; ``state[p]`` holds ``exp_avg_codes``
+            (float8_e4m3fn) and ``exp_avg_scale``.
         master_dtype: the weights' master copy (default: ``torch.float32``: a bfloat16/float16
             parameter keeps an fp32 master, 4 bytes per parameter). ``torch.bfloat16``: a bfloat16
             parameter keeps none; its weights are updated in place with Kahan compensation, one
@@ -392,7 +396,9 @@ class Adam(Optimizer):
         if master_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"master_dtype must be torch.float32 or torch.bfloat16, got {master_dtype}")
         if state_dtype not in STATE_DTYPES:
-            raise ValueError(f"state_dtype must be torch.float32, torch.bfloat16 or torch.uint8, got {state_dtype}")
+            raise ValueError(
+                f"state_dtype must be torch.float32, torch.bfloat16, torch.uint8 or torch.float8_e4m3fn, got {state_dtype}"
+            )
         if offload not in _OFFLOAD_MODES:
             raise ValueError(f"offload must be one of {_OFFLOAD_MODES}, got {offload!r}")
         if num_threads is None:
@@ -751,7 +757,9 @@ class Adam(Optimizer):
         local = self._localizer(g.keys[i], name)
         for m in moments(True):
             if check_moment(v, m, p, name, local) is None and (amsgrad or not m.amsgrad):
-                raise ValueError(f"loaded state of {name}: missing key {m.key!r} (or {m.key + '_codes'!r} and {m.key + '_absmax'!r})")
+                raise ValueError(
+                    f"loaded state of {name}: missing key {m.key!r} (or {m.key + '_codes'!r} and {m.key + '_absmax'!r} or {m.key + '_scale'!r})"
+                )
         for key in (MASTER_KEY, COMP_KEY):
             t = v.get(key)
             if t is None:

@@ -12,13 +12,19 @@ optimizer's ``state_dtype`` and the parameter (:func:`codec_for`):
   (uint8, shaped like the parameter) and ``state[p][name + "_absmax"]`` (float32,
   ``numel / QBLOCK``). A tensor torchao would not quantize (under :data:`MIN_NUMEL` elements, not
   whole blocks, complex) keeps float32 moments in the same byte buffers;
+* ``fp8`` (``state_dtype=torch.float8_e4m3fn``): torchao's ``AdamWFp8`` storage (the kernel's
+  ``fp8``): one float8_e4m3fn code per element and one float32 scale (``absmax / 448``) per block,
+  shown as ``state[p][name + "_codes"]`` (float8_e4m3fn, shaped like the parameter) and
+  ``state[p][name + "_scale"]``, in the same byte buffers as uint8 and with the same fallback
+  (tensors torchao would not quantize keep float32 moments: torchao keeps the parameter's dtype,
+  which is float32 for a float32 parameter; a bfloat16 parameter's stay float32 here);
 * ``float32`` in bytes: that fallback, ``4 * numel`` bytes of the uint8 buffers.
 
 Every user reads this: :class:`~offload_adam.optim.state.GroupState` allocates and views by it,
 the tier pages its buffers, the planner and ``memory_report`` count its bytes, and checkpoints,
 take-over and ``load_state_dict`` check and convert entries with :func:`check_moment` and
 :func:`write_moment` (an fp32 entry into a quantized slot is quantized, a quantized one into a
-float slot dequantized).
+float slot dequantized, one codec's entry into the other's slot dequantized and quantized).
 """
 
 from __future__ import annotations
@@ -34,7 +40,9 @@ from .. import _native
 
 QBLOCK: int = _native.QBLOCK
 MIN_NUMEL: int = _native.Q8_MIN_NUMEL
-STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+STATE_DTYPES = (torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn)
+BYTE_STATES = (torch.uint8, torch.float8_e4m3fn)  # moments in byte buffers of their own layout
+FP8 = torch.float8_e4m3fn
 MASTER_KEY = "master_param"
 COMP_KEY = "kahan_comp"  # bfloat16 weights without a master: their Kahan compensation
 
@@ -61,13 +69,22 @@ def moments(amsgrad: bool) -> tuple[Moment, ...]:
 class Codec:
     """How one slot stores a moment, in buffers of ``buffer_dtype``."""
 
-    name: str  # "float32", "bfloat16" or "q8"
+    name: str  # "float32", "bfloat16", "q8" or "fp8"
     buffer_dtype: torch.dtype
 
     @property
     def quantized(self) -> bool:
-        return self.name == "q8"
+        return self.name in ("q8", "fp8")
 
+    @property
+    def native(self) -> int:
+        """The native set's code of a slot in byte buffers: 0 float32, 1 q8, 2 fp8."""
+        return ("float32", "q8", "fp8").index(self.name)
+
+    @property
+    def scale_key(self) -> str:
+        """The suffix of a quantized moment's per-block floats."""
+        return "_scale" if self.name == "fp8" else "_absmax"
     def nbytes(self, n: int) -> int:
         """Bytes of a slot of ``n`` elements (the native layer's ``moment_bytes``)."""
         if self.quantized:
@@ -80,7 +97,7 @@ class Codec:
 
     def keys(self, m: Moment) -> tuple[str, ...]:
         """The ``state[p]`` keys of moment ``m`` in this codec."""
-        return (m.key + "_codes", m.key + "_absmax") if self.quantized else (m.key,)
+        return (m.key + "_codes", m.key + self.scale_key) if self.quantized else (m.key,)
 
     def views(self, buf: Tensor, off: int, m: Moment, like: Tensor, rows: bool = False) -> dict[str, Tensor]:
         """Moment ``m`` of the slot at ``off`` (in buffer elements), ``like`` the parameter whose
@@ -91,7 +108,8 @@ class Codec:
             absmax = buf[off + n : off + n + 4 * (n // QBLOCK)].view(torch.float32)
             if rows:
                 absmax = absmax.view(like.shape[0], -1)
-            return {m.key + "_codes": view(buf, off, like), m.key + "_absmax": absmax}
+            codes = view(buf, off, like)
+            return {m.key + "_codes": codes.view(FP8) if self.name == "fp8" else codes, m.key + self.scale_key: absmax}
         if buf.dtype == torch.uint8:  # float32 moments among quantized ones
             return {m.key: view(buf[off : off + 4 * n].view(torch.float32), 0, like)}
         return {m.key: view(buf, off, like)}
@@ -103,12 +121,18 @@ def _size(dt: torch.dtype) -> int:
 
 def codec_for(state_dtype: torch.dtype, n: int, dtype: torch.dtype) -> Codec:
     """The codec of a slot of ``n`` elements of a ``dtype`` parameter under ``state_dtype``:
-    uint8 quantizes what torchao quantizes (``n >= MIN_NUMEL``, whole blocks, real)."""
-    if state_dtype != torch.uint8:
+    uint8 and float8_e4m3fn quantize what torchao quantizes (``n >= MIN_NUMEL``, whole blocks,
+    real), in uint8 buffers."""
+    if state_dtype not in BYTE_STATES:
         return Codec("bfloat16" if state_dtype == torch.bfloat16 else "float32", state_dtype)
     if not dtype.is_complex and n >= MIN_NUMEL and n % QBLOCK == 0:
-        return Codec("q8", torch.uint8)
+        return Codec("fp8" if state_dtype == FP8 else "q8", torch.uint8)
     return Codec("float32", torch.uint8)
+
+
+def buffer_dtype(state_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a group's moment buffers under ``state_dtype``."""
+    return torch.uint8 if state_dtype in BYTE_STATES else state_dtype
 
 
 def is_dense(t: Tensor) -> bool:
@@ -139,29 +163,36 @@ Local = Callable[[Any, str], Any]  # a DTensor entry's local shard, checked agai
 
 def check_moment(entry: Mapping[str, Any], m: Moment, p: Tensor, name: str, local: Local) -> str | None:
     """Checks how ``entry`` holds moment ``m`` of parameter ``p`` (its local shard): ``"float"``
-    (a tensor shaped like ``p``), ``"q8"`` (codes shaped like ``p`` and one float32 absmax per
-    block) or None (absent). Raises, naming the key, on anything else."""
-    codes, absmax = entry.get(m.key + "_codes"), entry.get(m.key + "_absmax")
+    (a tensor shaped like ``p``), ``"q8"`` (uint8 codes shaped like ``p`` and one float32 absmax
+    per block), ``"fp8"`` (float8_e4m3fn codes and one float32 scale per block) or None (absent).
+    Raises, naming the key, on anything else."""
+    codes, absmax, scale = entry.get(m.key + "_codes"), entry.get(m.key + "_absmax"), entry.get(m.key + "_scale")
     t = entry.get(m.key)
     what = f"loaded state of {name}"
     if t is not None and codes is not None:
         raise ValueError(f"{what}: both {m.key!r} and {m.key + '_codes'!r}; one form per moment")
-    if codes is not None or absmax is not None:
-        if codes is None or absmax is None:
-            raise ValueError(f"{what}: {m.key}_codes and {m.key}_absmax go together")
-        for key, x in ((m.key + "_codes", codes), (m.key + "_absmax", absmax)):
+    if absmax is not None and scale is not None:
+        raise ValueError(f"{what}: both {m.key + '_absmax'!r} and {m.key + '_scale'!r}; one form per moment")
+    if codes is not None or absmax is not None or scale is not None:
+        fp8 = scale is not None or (absmax is None and getattr(codes, "dtype", None) == FP8)
+        kind, suffix = ("fp8", "_scale") if fp8 else ("q8", "_absmax")
+        floats = scale if fp8 else absmax
+        if codes is None or floats is None:
+            raise ValueError(f"{what}: {m.key}_codes and {m.key}{suffix} go together")
+        for key, x in ((m.key + "_codes", codes), (m.key + suffix, floats)):
             if not isinstance(x, Tensor):
                 raise TypeError(f"{what}: {key} must be a tensor, got {type(x).__name__}")
-        codes, absmax = local(codes, m.key + "_codes"), local(absmax, m.key + "_absmax")
+        codes, floats = local(codes, m.key + "_codes"), local(floats, m.key + suffix)
         n = p.numel()
-        if p.is_complex() or codes.shape != p.shape or codes.dtype != torch.uint8 or n % QBLOCK:
+        want = FP8 if kind == "fp8" else torch.uint8
+        if p.is_complex() or codes.shape != p.shape or codes.dtype != want or n % QBLOCK:
             raise ValueError(
-                f"{what}: {m.key}_codes must be uint8 of shape {tuple(p.shape)} in whole blocks of {QBLOCK}, "
-                f"got {codes.dtype} of shape {tuple(codes.shape)}"
+                f"{what}: {m.key}_codes must be {str(want).removeprefix('torch.')} of shape {tuple(p.shape)} "
+                f"in whole blocks of {QBLOCK} (with {m.key}{suffix}), got {codes.dtype} of shape {tuple(codes.shape)}"
             )
-        if absmax.dtype != torch.float32 or absmax.numel() != n // QBLOCK:
-            raise ValueError(f"{what}: {m.key}_absmax must be {n // QBLOCK} float32 values, got {absmax.numel()} {absmax.dtype}")
-        return "q8"
+        if floats.dtype != torch.float32 or floats.numel() != n // QBLOCK:
+            raise ValueError(f"{what}: {m.key}{suffix} must be {n // QBLOCK} float32 values, got {floats.numel()} {floats.dtype}")
+        return kind
     if t is None:
         return None
     if not isinstance(t, Tensor):
@@ -180,11 +211,17 @@ def _flat(t: Tensor) -> Tensor:
     return torch.as_strided(t, (t.numel(),), (1,), t.storage_offset())
 
 
+def _bytes(codes: Tensor) -> Tensor:
+    """Codes as the native calls take them: their bytes (fp8 codes viewed as uint8)."""
+    return codes.view(torch.uint8) if codes.dtype == FP8 else codes
+
+
 def _dequantize(codes: Tensor, absmax: Tensor, m: Moment) -> Tensor:
-    """The float32 values of dense ``codes`` (blocks in their memory order) and their absmax,
-    shaped and strided like the codes."""
+    """The float32 values of dense ``codes`` (uint8 codes of the dynamic maps, or fp8 codes;
+    blocks in their memory order) and their absmax or scale, shaped and strided like the codes."""
     out = torch.empty_like(codes, dtype=torch.float32)
-    _native.dequantize(_flat(codes), absmax.contiguous().reshape(-1), _flat(out), signed=m.signed)
+    fp8 = codes.dtype == FP8
+    _native.dequantize(_flat(_bytes(codes)), absmax.contiguous().reshape(-1), _flat(out), signed=m.signed, fp8=fp8)
     return out
 
 
@@ -194,22 +231,26 @@ def write_moment(views: Mapping[str, Tensor], codec: Codec, m: Moment, src: Mapp
     elements as its view shows them; blocks run in the slot's memory order."""
     if m.key + "_codes" in src:
         codes = local(src[m.key + "_codes"], m.key)
-        absmax = local(src[m.key + "_absmax"], m.key).reshape(-1)
-        if codec.quantized:
+        suffix = "_scale" if codes.dtype == FP8 else "_absmax"
+        absmax = local(src[m.key + suffix], m.key).reshape(-1)
+        if codec.quantized and codec.scale_key == suffix:
             views[m.key + "_codes"].copy_(codes)
-            views[m.key + "_absmax"].view(-1).copy_(absmax)
+            views[m.key + suffix].view(-1).copy_(absmax)
             return
-        dst = views[m.key]
-        mem = torch.empty_like(dst, dtype=torch.uint8)  # the codes in the slot's memory order
+        like = views[m.key + "_codes"] if codec.quantized else views[m.key]
+        mem = torch.empty_like(like, dtype=codes.dtype)  # the codes in the slot's memory order
         mem.copy_(codes)
-        dst.copy_(_dequantize(mem, absmax, m))
-        return
-    t = local(src[m.key], m.key)
+        t = _dequantize(mem, absmax, m)
+        if not codec.quantized:
+            views[m.key].copy_(t)
+            return
+    else:
+        t = local(src[m.key], m.key)
     if codec.quantized:
         codes = views[m.key + "_codes"]
         x = torch.empty_like(codes, dtype=torch.float32)
         x.copy_(t)
-        _native.quantize(_flat(x), _flat(codes), views[m.key + "_absmax"], signed=m.signed)
+        _native.quantize(_flat(x), _flat(_bytes(codes)), views[m.key + codec.scale_key], signed=m.signed, fp8=codec.name == "fp8")
     else:
         views[m.key].copy_(t)
 
@@ -223,11 +264,13 @@ def copy_moment(views: Mapping[str, Tensor], codec: Codec, dst: Moment, src: Mom
 
 def dequantized(state_dict: dict[str, Any]) -> dict[str, Any]:
     """A copy of a state dict with every quantized moment (``<name>_codes`` and
-    ``<name>_absmax``) replaced by its float32 values under ``<name>``: what
+    ``<name>_absmax``, or fp8 ``<name>_codes`` and ``<name>_scale``) replaced by its float32
+    values under ``<name>``: what
     ``torch.optim.AdamW.load_state_dict`` can take. Other entries are shared, not copied.
 
     Args:
-        state_dict: an optimizer state dict of ``AdamW(state_dtype=torch.uint8)``.
+        state_dict: an optimizer state dict of ``AdamW(state_dtype=torch.uint8)`` (or
+            ``torch.float8_e4m3fn``).
     """
     out = dict(state_dict)
     state = {}
@@ -239,6 +282,8 @@ def dequantized(state_dict: dict[str, Any]) -> dict[str, Any]:
         for m in MOMENTS:
             codes = e.pop(m.key + "_codes", None)
             absmax = e.pop(m.key + "_absmax", None)
+            scale = e.pop(m.key + "_scale", None)
+            absmax = absmax if absmax is not None else scale
             if codes is None or absmax is None:
                 continue
             e[m.key] = _dequantize(codes if is_dense(codes) else codes.contiguous(), absmax, m)

@@ -21,7 +21,7 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from ..runtime.pinned import PinnedArena
-from .schema import COMP_KEY, MASTER_KEY, MIN_NUMEL, MOMENT, QBLOCK, Codec, codec_for, is_dense, moments, view
+from .schema import BYTE_STATES, COMP_KEY, MASTER_KEY, MIN_NUMEL, MOMENT, QBLOCK, Codec, buffer_dtype, codec_for, is_dense, moments, view
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
@@ -69,7 +69,7 @@ class Layout:
     total: int  # elements of each state buffer
     landing_slots: list[tuple[int, int]]  # offloaded: (landing buffer, first element) per slot
     landing: list[int | None]  # offloaded: elements of each landing buffer (KINDS), None if unused
-    state_dtype: torch.dtype  # the moment buffers' dtype
+    state_dtype: torch.dtype  # the moment buffers' dtype (uint8 for uint8 and float8_e4m3fn moments)
     codecs: list[Codec]  # how each slot stores its moments (see schema.py)
     moment_offsets: list[int]  # first element of each slot in the moment buffers
     moment_total: int  # elements of each moment buffer
@@ -113,7 +113,7 @@ def layout(
     """The layout of a group of parameters given as (numel, dtype): buckets of ``bucket_bytes``
     of gradient, each bucket's state starting on a multiple of ``page_align`` elements, each slot
     on a SIMD block boundary; one landing buffer per gradient dtype for offloaded groups. Moments
-    in uint8 buffers (``state_dtype=torch.uint8``) have their own byte layout: each slot its
+    in uint8 buffers (``state_dtype=torch.uint8`` or ``torch.float8_e4m3fn``) have their own byte layout: each slot its
     codec's bytes on a cache line, each bucket on ``2 * page_align`` bytes (4 KiB pages on NVMe)."""
     sizes = [torch.empty((), dtype=dt).element_size() for _, dt in params]
     lens = [n * (2 if dt.is_complex else 1) for n, dt in params]
@@ -141,7 +141,7 @@ def layout(
         used[k] += _aligned(n)
     landing = [used[k] if any(dt == KINDS[k] for _, dt in params) else None for k in range(len(KINDS))]
     codecs = [codec_for(state_dtype, 0 if i in unquantized else n, dt) for i, (n, (_, dt)) in enumerate(zip(lens, params))]
-    if state_dtype != torch.uint8:
+    if state_dtype not in BYTE_STATES:
         return Layout(lens, buckets, offsets, total, slots, landing, state_dtype, codecs, offsets, total)
     page = max(_MOMENT_ALIGN, 2 * page_align)
     moff: list[int] = []
@@ -151,7 +151,7 @@ def layout(
         moff.append(mtotal)
         mtotal += c.nbytes(n)
     mtotal = -(-mtotal // page) * page
-    return Layout(lens, buckets, offsets, total, slots, landing, state_dtype, codecs, moff, mtotal)
+    return Layout(lens, buckets, offsets, total, slots, landing, buffer_dtype(state_dtype), codecs, moff, mtotal)
 
 
 class GroupState:
@@ -221,9 +221,9 @@ class GroupState:
         # Masters in memory of a tier's own (NVMe pages: pageable, moved under the window), not
         # the pinned arena: an fp32 parameter's weights go back through its pinned landing slot.
         self.paged_masters = state_alloc is not None
-        self.exp_avg = self._state_alloc(lay.moment_total, state_dtype)
-        self.exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype)
-        self.max_exp_avg_sq = self._state_alloc(lay.moment_total, state_dtype) if amsgrad else None
+        self.exp_avg = self._state_alloc(lay.moment_total, lay.state_dtype)
+        self.exp_avg_sq = self._state_alloc(lay.moment_total, lay.state_dtype)
+        self.max_exp_avg_sq = self._state_alloc(lay.moment_total, lay.state_dtype) if amsgrad else None
         # bfloat16 weights without a master (master_dtype=torch.bfloat16): updated in place
         # (CPU parameters, or a home's host copy) with Kahan compensation.
         self.kahan = [
@@ -241,8 +241,8 @@ class GroupState:
         need = any(m and not k for m, k in zip(needs_master, self.kahan))
         self.master = self._state_alloc(self.total, torch.float32) if need else None
         self.comp = self._state_alloc(self.total, torch.bfloat16) if any(self.kahan) else None  # zeros (paged: read as zeros)
-        quantized = state_dtype == torch.uint8
-        slots = [(o, c.quantized) for o, c in zip(self.moment_offsets, self.codecs)] if quantized else None
+        in_bytes = state_dtype in BYTE_STATES
+        slots = [(o, c.native) for o, c in zip(self.moment_offsets, self.codecs)] if in_bytes else None
         self.steps = torch.zeros(len(params), dtype=torch.float32)
         self.landing: list[Tensor | None] = [None] * len(KINDS)
         self.landing_slots: list[tuple[int, int]] = []
@@ -308,7 +308,7 @@ class GroupState:
         assert isinstance(k, DTensor)
 
         def dt(n: str, t: Tensor) -> Tensor:
-            if n.endswith("_absmax"):  # one per 256 elements of each row (see row_blocks)
+            if n.endswith(("_absmax", "_scale")):  # one per 256 elements of each row (see row_blocks)
                 per = math.prod(k.shape[1:]) // QBLOCK
                 return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=torch.Size((k.shape[0], per)), stride=(per, 1))
             return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=k.shape, stride=k.stride())

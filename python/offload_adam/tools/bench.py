@@ -54,8 +54,8 @@ def _params(shapes: Shapes, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.
     return ps
 
 
-def _torch_opt(shapes: Shapes, **kw: object) -> Callable[[], None]:
-    opt = torch.optim.AdamW(_params(shapes, torch.float32), lr=1e-4, **kw)  # type: ignore[arg-type]
+def _torch_opt(shapes: Shapes, dtype: torch.dtype = torch.float32, **kw: object) -> Callable[[], None]:
+    opt = torch.optim.AdamW(_params(shapes, dtype), lr=1e-4, **kw)  # type: ignore[arg-type]
     return opt.step  # type: ignore[return-value]
 
 
@@ -64,13 +64,33 @@ def _ours(shapes: Shapes, dtype: torch.dtype, threads: int, **kw: object) -> Cal
     return opt.step  # type: ignore[return-value]
 
 
-def _torchao_8bit(shapes: Shapes) -> Callable[[], None]:
-    """torchao's ``AdamW8bit`` as its users run it: each parameter's step compiled by
-    ``torch.compile`` (Inductor's C++ backend on the CPU), compiled during the warm-up."""
-    from torchao.optim import AdamW8bit  # type: ignore[import-untyped]
+def _torchao(shapes: Shapes, name: str) -> Callable[[], None]:
+    """torchao's ``AdamW8bit`` or ``AdamWFp8`` (``name``) as its users run it: each parameter's
+    step compiled by ``torch.compile`` (Inductor's C++ backend on the CPU), compiled during the
+    warm-up."""
+    import torchao.optim  # type: ignore[import-untyped]
 
-    opt = AdamW8bit(_params(shapes, torch.float32), lr=1e-4)
+    opt = getattr(torchao.optim, name)(_params(shapes, torch.float32), lr=1e-4)
     return opt.step  # type: ignore[no-any-return]
+
+
+def _bnb_8bit(shapes: Shapes) -> Callable[[], None]:
+    """bitsandbytes' ``AdamW8bit`` on CPU tensors (its CPU backend, since 0.50)."""
+    import bitsandbytes as bnb  # type: ignore[import-untyped]
+
+    opt = bnb.optim.AdamW8bit(_params(shapes, torch.float32), lr=1e-4)
+    return opt.step  # type: ignore[no-any-return]
+
+
+def _peer(name: str, make: Callable[[], Callable[[], None]]) -> Contender | None:
+    """A peer that may not be installed or may not run here: None (and why) if it does not."""
+    try:
+        step = make()
+        step()  # the first step: lazy state, compilation
+        return Contender(name, step)
+    except Exception as e:  # noqa: BLE001 (any failure of a third-party peer: reported, skipped)
+        print(f"   (skipped {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})")
+        return None
 
 
 def _ours_offloaded(shapes: Shapes, threads: int) -> Contender:
@@ -116,7 +136,11 @@ def _torch_bf16_sequence(shapes: Shapes) -> Callable[[], None]:
     return step
 
 
-def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int, baseline: str) -> dict[str, object]:
+def run_case(
+    title: str, contenders: list[Contender], nparams: int, rounds: int, baseline: str, also: tuple[str, ...] = ()
+) -> dict[str, object]:
+    """Times the contenders in rotating rounds; ``also``: other contenders whose ratio to
+    ``baseline`` is printed too."""
     for c in contenders:  # warm-up: lazy state, page faults, thread start
         for _ in range(2):
             if c.prepare is not None:
@@ -159,17 +183,24 @@ def run_case(title: str, contenders: list[Contender], nparams: int, rounds: int,
             result[c.name]["kernel_rate_over_ours"] = ratio  # type: ignore[index]
     base = next(c for c in contenders if c.name == baseline)
     speedup = statistics.median([a / b for a, b in zip(base.times, ours.times)])
-    print(f"   => offload_adam is {speedup:.2f}x {baseline} (median of per-round ratios)")
+    print(f"   => {ours.name} is {speedup:.2f}x {baseline} (median of per-round ratios)")
     result["speedup"] = speedup
     result["baseline"] = baseline
+    for name in also:
+        c = next(c for c in contenders if c.name == name)
+        rel = statistics.median([a / b for a, b in zip(base.times, c.times)])
+        print(f"   => {name} is {rel:.2f}x {baseline} (median of per-round ratios)")
+        result[name]["speedup_over_baseline"] = rel  # type: ignore[index]
     return result
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload_adam bench", description=__doc__.splitlines()[0])
     ap.add_argument(
-        "--cases", default="big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2,bf16-compact",
-        help="comma-separated: big,gpt2,many,bf16,threads,offload,uint8,uint8-gpt2,bf16-compact, and torchao (needs torchao and a C++ compiler)",
+        "--cases", default="big,gpt2,many,bf16,threads,offload,lowbit,lowbit-gpt2,bf16-compact",
+        help="comma-separated: big,gpt2,many,bf16,threads,offload,lowbit,lowbit-gpt2 (fp8 and uint8 moments against fp32 "
+        "moments), bf16-compact, and peers (8-bit and fp8 peers: torchao compiled, which needs a C++ compiler, and "
+        "bitsandbytes, where installed)",
     )
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -264,14 +295,17 @@ def main(argv: list[str] | None = None) -> int:
                 run_case("bf16 params+grads, GPT-2 small shapes", cs, n(gpt2), args.rounds, "torch copy+fused fp32+copy")
             )
             continue
-        elif case in ("uint8", "uint8-gpt2"):
+        elif case in ("lowbit", "lowbit-gpt2"):
             one: Shapes = [(int(64_000_000 * s),)]
-            shapes, title = (one, "1 tensor x 64M fp32") if case == "uint8" else (gpt2, "GPT-2 small shapes fp32")
+            shapes, title = (one, "1 tensor x 64M fp32") if case == "lowbit" else (gpt2, "GPT-2 small shapes fp32")
             cs = [
+                Contender("offload_adam fp8 moments", _ours(shapes, torch.float32, args.threads, state_dtype=torch.float8_e4m3fn)),
                 Contender("offload_adam uint8 moments", _ours(shapes, torch.float32, args.threads, state_dtype=torch.uint8)),
                 Contender("offload_adam fp32 moments", _ours(shapes, torch.float32, args.threads)),
             ]
-            results.append(run_case(f"8-bit moments, {title}", cs, n(shapes), args.rounds, "offload_adam fp32 moments"))
+            results.append(
+                run_case(f"fp8 and 8-bit moments, {title}", cs, n(shapes), args.rounds, "offload_adam fp32 moments", also=("offload_adam uint8 moments",))
+            )
             continue
         elif case == "bf16-compact":
             cs = [
@@ -281,18 +315,38 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 Contender("offload_adam bf16 Kahan, fp32 moments", _ours(gpt2, torch.bfloat16, args.threads, master_dtype=torch.bfloat16)),
                 Contender("offload_adam bf16, fp32 masters", _ours(gpt2, torch.bfloat16, args.threads)),
+                # torch's own step of a bf16 model: no master, bf16 moments
+                Contender("torch AdamW(fused=True) bf16", _torch_opt(gpt2, fused=True, dtype=torch.bfloat16)),
             ]
             results.append(
-                run_case("bf16 params, compact state, GPT-2 small shapes", cs, n(gpt2), args.rounds, "offload_adam bf16, fp32 masters")
+                run_case(
+                    "bf16 params, compact state, GPT-2 small shapes", cs, n(gpt2), args.rounds, "offload_adam bf16, fp32 masters",
+                    also=("offload_adam bf16 Kahan, fp32 moments", "torch AdamW(fused=True) bf16"),
+                )
             )
             continue
-        elif case == "torchao":
+        elif case == "peers":
+            # The same tensors for every contender: ours in three states, torch fused, and the
+            # 8-bit and fp8 peers that run here.
             shapes = [(int(16_000_000 * s),)]  # type: ignore[list-item]
             cs = [
+                Contender("offload_adam fp8 moments", _ours(shapes, torch.float32, args.threads, state_dtype=torch.float8_e4m3fn)),
                 Contender("offload_adam uint8 moments", _ours(shapes, torch.float32, args.threads, state_dtype=torch.uint8)),
-                Contender("torchao AdamW8bit (compiled)", _torchao_8bit(shapes)),
+                Contender("offload_adam fp32 moments", _ours(shapes, torch.float32, args.threads)),
+                Contender("torch AdamW(fused=True)", _torch_opt(shapes, fused=True)),
             ]
-            results.append(run_case("8-bit moments, 1 tensor x 16M fp32", cs, n(shapes), args.rounds, "torchao AdamW8bit (compiled)"))
+            for name, make in (
+                ("torchao AdamWFp8 (compiled)", lambda: _torchao(shapes, "AdamWFp8")),
+                ("torchao AdamW8bit (compiled)", lambda: _torchao(shapes, "AdamW8bit")),
+                ("bitsandbytes AdamW8bit (CPU)", lambda: _bnb_8bit(shapes)),
+            ):
+                c = _peer(name, make)
+                if c is not None:
+                    cs.append(c)
+            names = {c.name for c in cs}
+            base = "torchao AdamWFp8 (compiled)" if "torchao AdamWFp8 (compiled)" in names else "offload_adam fp32 moments"
+            also = ("offload_adam uint8 moments",) + (("torchao AdamW8bit (compiled)",) if "torchao AdamW8bit (compiled)" in names else ())
+            results.append(run_case("fp8 and 8-bit peers, 1 tensor x 16M fp32", cs, n(shapes), args.rounds, base, also=also))
             continue
         elif case == "offload":
             cs = [

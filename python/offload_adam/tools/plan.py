@@ -57,6 +57,9 @@ DEFAULT_RATES = {
 # The 8-bit moments' step is bound by its table lookups, not by memory: on AVX2 it measured at
 # 0.37x the rate of the fp32-moment step (docs/benchmarks.md), so it costs 2.7x that step's time.
 Q8_STEP_COST = 2.7
+# fp8 moments' step against the fp32 moments' on the same AVX2 machine: 0.38-0.58x the speed
+# (`bench --cases lowbit,lowbit-gpt2`, December 2026), its codecs bound by instructions, not memory.
+FP8_STEP_COST = 2.2
 # The recommendation keeps torch's arithmetic (fp32 state) unless compact state is this much faster.
 EXACT_WITHIN = 1.5
 
@@ -211,9 +214,9 @@ def configurations(
     # read and written, and the bf16 copy written; or bf16 weights and their compensation, each
     # read and written) and both moments read and written. 8-bit moments: their fp32-equivalent
     # cost (their step is bound by lookups, not memory).
-    q8 = state_dtype == torch.uint8
+    q8 = state_dtype in (torch.uint8, torch.float8_e4m3fn)
     moments = 4 * (4.0 if q8 else es)
-    cost = Q8_STEP_COST if q8 else 1.0
+    cost = Q8_STEP_COST if state_dtype == torch.uint8 else FP8_STEP_COST if q8 else 1.0
     step_bf16 = (2 + 8 + 2 + moments) * cost * n
     step_kahan = ((2 + 4 + 4 + moments) * cost * n) if kahan else step_bf16
     step_fsdp = (4 + 8 + moments) * cost * shard
@@ -308,7 +311,9 @@ def _dt(d: torch.dtype) -> str:
 
 def _exactness(c: Config) -> int:
     """0 for torch's arithmetic on fp32 state; more for each compact choice."""
-    return {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}[c.state_dtype] + (c.master_dtype == torch.bfloat16)
+    return {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2, torch.float8_e4m3fn: 2}[c.state_dtype] + (
+        c.master_dtype == torch.bfloat16
+    )
 
 
 def code(c: Config) -> str:
@@ -365,6 +370,8 @@ def _numerics(c: Config) -> str:
         parts.append("bf16 moments (rounded to nearest even)")
     if c.state_dtype == torch.uint8:
         parts.append("8-bit moments (torchao's AdamW8bit)")
+    if c.state_dtype == torch.float8_e4m3fn:
+        parts.append("float8_e4m3fn moments (torchao's AdamWFp8)")
     if c.master_dtype == torch.bfloat16:
         parts.append("bf16 weights with Kahan compensation instead of fp32 masters")
     if not parts:
@@ -424,7 +431,7 @@ def train(args: argparse.Namespace, r: Rates) -> None:
     # (compact state changes the arithmetic: it is worth it where it is much faster), then the
     # fastest.
     cands: list[tuple[int, float, int, Config]] = []
-    for s in [fixed_sd] if fixed_sd else [torch.float32, torch.bfloat16, torch.uint8]:
+    for s in [fixed_sd] if fixed_sd else [torch.float32, torch.bfloat16, torch.uint8, torch.float8_e4m3fn]:
         for m in [fixed_md] if fixed_md else [torch.float32, torch.bfloat16]:
             for c in configurations(args.params, state_dtype=s, master_dtype=m, **common):
                 if m == torch.bfloat16 and c.kind not in ("stream", "stream_nvme"):
@@ -584,9 +591,9 @@ def parser() -> argparse.ArgumentParser:
     t = ap.add_argument_group("training")
     t.add_argument("--world-size", type=int, default=1, help="ranks (GPUs), each with the memory above (default: 1)")
     t.add_argument(
-        "--state-dtype", default=None, choices=["float32", "bfloat16", "uint8"],
-        help="the moments' dtype (uint8: 8-bit block-quantized, 1 B + 4 B per 256 elements); default: float32 in the "
-        "table, and the recommendation tries all three",
+        "--state-dtype", default=None, choices=["float32", "bfloat16", "uint8", "float8_e4m3fn"],
+        help="the moments' dtype (uint8: 8-bit block-quantized, float8_e4m3fn: fp8 blocks; both 1 B + 4 B per 256 "
+        "elements); default: float32 in the table, and the recommendation tries each",
     )  # fmt: skip
     t.add_argument("--bf16-moments", action="store_true", help="the same as --state-dtype bfloat16")
     t.add_argument(

@@ -85,7 +85,9 @@ class Entry(dict):  # type: ignore[type-arg]
 
 
 # torch's pytree (torch.distributed.checkpoint walks state dicts with it) sees an entry as the
-# dict it is; without this a dict subclass would be a leaf, its tensors invisible.
+# dict it is; without this a dict subclass would be a leaf, its tensors invisible. (The
+# serialized name is the one it was registered under from the start: a name in saved tree
+# specs, not a module path.)
 _pytree.register_pytree_node(
     Entry,
     _pytree._dict_flatten,

@@ -464,3 +464,22 @@ def test_smaller_items_a_tensor_of_another_device_warns_and_graph_capture_is_ref
         sim.graph_capture = False
         h.close()
         ao.close()
+
+
+def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
+    """The activations' NVMe ranges go through the runtime's page store, CRC included (they had
+    none): a range corrupted on the disk is a clear error naming the file when it is read back."""
+    with testing.simulated_device(seed=2, max_delay_s=0.0):
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        assert ao.store is not None and ao.report()["write_bytes"] > 0
+        f = ao.files[0]
+        with open(f.path, "r+b") as fh:
+            fh.seek(4096 + 10)  # the second range
+            fh.write(b"\x7f" * 4)
+        with pytest.raises(OSError, match=r"activations-0\.bin: a saved storage of \d+ bytes is corrupted \(checksum mismatch\)"):
+            loss.backward()
+        del loss
+        ao.close()

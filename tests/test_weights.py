@@ -362,14 +362,14 @@ def test_an_nvme_fault_is_a_clear_error_and_the_next_forward_is_exact(fault: str
         off = src.offset[victim.index]
         if fault == "eio":
             src.io.inject_fault("read", errno.EIO, 2)
-            match = r"reading the weights of block \d+ \(model\.layers\.\d\) from .*weights\.bin: .*Input/output error"
+            match = r"reading the page of block \d+ \(model\.layers\.\d\) from .*weights\.bin: .*Input/output error"
         else:
             with open(path, "r+b") as f:
                 f.seek(off + 100)
                 good = f.read(8)
                 f.seek(off + 100)
                 f.write(b"\x7f" * 8)
-            match = rf"weights\.bin: the weights of block {victim.index} \({victim.name}\) are corrupted \(checksum mismatch\)"
+            match = rf"weights\.bin: the page of block {victim.index} \({victim.name}\) is corrupted \(checksum mismatch\)"
         with pytest.raises(OSError, match=match):
             for _ in range(3):
                 model(x)

@@ -205,7 +205,7 @@ class WeightOffload:
                 for o, e in zip(outs, b.entries):
                     _bind(e.param, o)
             else:
-                self.source.store(b)
+                self.source.store_block(b)
                 for e, ph in zip(b.entries, self.placeholders[b.index]):
                     _bind(e.param, ph)
         moved: dict[int, Tensor] = {}
@@ -258,7 +258,7 @@ class WeightOffload:
         """Starts the counters of ``report()`` (bytes moved, times, loads) afresh."""
         self.streamer.reset_stats()
         if isinstance(self.source, NvmeWeights):
-            self.source.stats = dict.fromkeys(self.source.stats, 0.0)
+            self.source.stats.reset()
 
     # -- the end --------------------------------------------------------------------------------
 

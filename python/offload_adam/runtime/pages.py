@@ -286,6 +286,37 @@ class PageFile:
         return Transfer(self, "read", offset, n, label, self.store._pool.submit(_check_read, ticket, into, crc))
 
 
+def page_cache_bytes(path: str) -> int:
+    """Bytes of the file at ``path`` that sit in the OS page cache now (``mincore`` over a
+    mapping of it; the mapping itself reads nothing)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path}")
+        try:
+            page = mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            return sum(1 for v in bytes(vec) if v & 1) * page
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
 class PageStore:
     """A run directory under ``nvme_dir`` and its files (see the module documentation)."""
 
@@ -317,6 +348,10 @@ class PageStore:
 
     def check_space(self, need: int, what: str) -> None:
         self.run.check_space(need, what)
+
+    def page_cache_bytes(self) -> int:
+        """Bytes of this store's files in the OS page cache (``O_DIRECT`` keeps it near 0)."""
+        return sum(page_cache_bytes(f.path) for f in self.files if os.path.exists(f.path))
 
     def close(self) -> None:
         """Waits for the transfers in flight, then removes the directory and its files."""

@@ -174,3 +174,57 @@ class NvmeWeights:
     def close(self) -> None:
         self.ring.reset()
         self.store.close()
+
+
+class SplitWeights:
+    """Streamed blocks partly in RAM (``ram``: those ``host_budget_gb`` keeps there) and partly on
+    NVMe (``nvme``: the rest); each call goes to the block's own."""
+
+    def __init__(self, ram: HostWeights, nvme: NvmeWeights, in_ram: set[int]) -> None:
+        self.ram = ram
+        self.nvme = nvme
+        self.in_ram = in_ram
+
+    def _of(self, b: Block) -> HostWeights | NvmeWeights:
+        return self.ram if b.index in self.in_ram else self.nvme
+
+    def view(self, b: Block) -> Tensor | None:
+        return self.ram.view(b) if b.index in self.in_ram else None
+
+    def staging(self, b: Block) -> Tensor:
+        return self._of(b).staging(b)
+
+    def store_block(self, b: Block) -> None:
+        self._of(b).store_block(b)
+
+    def pin(self) -> None:
+        self.ram.pin()
+
+    def read(self, b: Block) -> Tensor:
+        return self._of(b).read(b)
+
+    def start(self, b: Block) -> bool:
+        return self._of(b).start(b)
+
+    def host(self, b: Block) -> Tensor:
+        return self._of(b).host(b)
+
+    def done(self, b: Block, event: Any) -> None:
+        self._of(b).done(b, event)
+
+    def reset(self) -> None:
+        self.nvme.reset()
+
+    @property
+    def stats(self) -> IoStats:
+        return self.nvme.stats
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.nvme.nvme_bytes
+
+    def io_stats(self) -> dict[str, float]:
+        return self.nvme.io_stats()
+
+    def close(self) -> None:
+        self.nvme.close()

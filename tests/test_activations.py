@@ -362,13 +362,21 @@ def test_events_stay_bounded_from_step_to_step() -> None:
 def test_saved_storages_whose_copy_has_not_run_are_capped() -> None:
     """Finding 11: a forward that saves faster than the copies drain keeps every device storage
     until its copy has run; beyond max_inflight_bytes the forward waits for the oldest."""
+    import threading
+
     with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
-        sim.d2h.max_delay_s = 0.02  # slow copies out
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         cap = 3 * 64 * 64 * 4
-        with offload_adam.offload_activations(min_bytes=1024, max_inflight_bytes=cap) as ao:
-            loss = m(x).sum()
+        release = sim.hold(sim.d2h)  # the copies out run only once released: the forward saves faster
+        timer = threading.Timer(0.5, release)
+        timer.start()
+        try:
+            with offload_adam.offload_activations(min_bytes=1024, max_inflight_bytes=cap) as ao:
+                loss = m(x).sum()
+        finally:
+            timer.cancel()
+            release()
         loss.backward()
         rep = ao.report()
         assert rep["inflight_peak_bytes"] <= cap + 64 * 64 * 4 and rep["inflight_waits"] > 0, rep
@@ -389,6 +397,7 @@ def test_nvme_reloads_wait_for_their_region_not_for_every_copy_queued(nvme_dir: 
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=1) as ao:
             loss = m(x).sum()
+            sim.drain()  # the copies out have run: the exit writes their regions behind
         assert ao.report()["write_bytes"] > 0
         release = sim.hold(sim.d2h)
         timed_out = threading.Event()

@@ -103,7 +103,7 @@ class Ring:
         """A new slot for ``b``: its own slot, made at its first copy; a general slot of a ring
         made on demand; or a forward holds more blocks at once than the ring has slots (with a
         warning)."""
-        size = self.blocks[b].nbytes
+        size = self.blocks[b].nbytes if b in self.own else max(self.blocks[b].nbytes, self.slot_bytes)
         if b in self.later:
             self.later.discard(b)  # (its own slot from now on)
         elif not self.on_demand:

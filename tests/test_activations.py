@@ -89,6 +89,7 @@ def test_gradients_are_bitwise_the_unoffloaded_models(
         ao = offload_adam.offload_activations(min_bytes=1024, prefetch=1 + seed % 2, **nv)
         with ao:
             loss = loss_of(m, x)
+            ao.flush()  # (nvme: every saved storage on the SSD now, read back in the backward)
             if inside:
                 loss.backward()
         if not inside:
@@ -397,7 +398,7 @@ def test_nvme_reloads_wait_for_their_region_not_for_every_copy_queued(nvme_dir: 
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=1) as ao:
             loss = m(x).sum()
-            sim.drain()  # the copies out have run: the exit writes their regions behind
+        ao.flush()  # every saved storage on the SSD: the backward reloads them
         assert ao.report()["write_bytes"] > 0
         release = sim.hold(sim.d2h)
         timed_out = threading.Event()

@@ -437,6 +437,18 @@ class ActivationOffload:
                 self.stats.stall_s += t
         self.stalls = keep
 
+    def flush(self) -> None:
+        """``storage="nvme"``: writes every saved storage still in RAM to the SSD now (waiting
+        for its copy out) and waits for the writes, releasing their RAM: between a forward and a
+        late backward (an evaluation, a pause), the saved tensors then hold no RAM. Without it the
+        regions are written behind as the forward saves, and a region whose copy had not run by
+        the last save stays in RAM until it is unpacked."""
+        if self.storage != "nvme":
+            return
+        with self.lock:
+            if self.store is not None:
+                self._write_behind(all_of_them=True)
+
     def report(self) -> dict[str, Any]:
         """Since the handle was made (or :meth:`reset_stats`): ``offloaded_bytes`` and
         ``offloaded_tensors`` (storages copied out, each once), ``kept_bytes`` and

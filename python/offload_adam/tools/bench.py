@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         from . import placement_bench
 
         os.makedirs(args.placement, exist_ok=True)
-        pres = placement_bench.run(args.placement, params=args.placement_params, prefetch=args.prefetch)
+        pres = placement_bench.run(args.placement, params=args.placement_params, prefetch=args.prefetch, rounds=max(1, min(args.rounds, 3)))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(pres, f, indent=1)

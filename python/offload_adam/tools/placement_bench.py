@@ -66,7 +66,7 @@ def _dir_cache(path: str) -> int:
     return total
 
 
-def llama(params: float, seed: int = 0) -> torch.nn.Module:
+def llama(params: float, seed: int = 0) -> Any:
     """A Llama-shaped bf16 model of about ``params`` parameters (hidden 2048, FFN 5632, grouped-
     query attention with 4 KV heads, a 32000-token vocabulary; the layers' count sets the size)."""
     import transformers
@@ -83,7 +83,7 @@ def llama(params: float, seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
-    model = model.to_empty(device="cpu").to(torch.bfloat16)
+    model = model.to_empty(device="cpu").to(torch.bfloat16)  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -182,7 +182,7 @@ def run(
     results["cases"].append(c)
 
     try:
-        import accelerate
+        import accelerate  # type: ignore[import-untyped]
     except ImportError:
         accelerate = None
     if accelerate is not None:

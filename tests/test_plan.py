@@ -82,14 +82,14 @@ def test_plan_prints_the_streamed_weights_recipe(capsys: pytest.CaptureFixture[s
     out = capsys.readouterr().out
     assert "uint8 moments" in out
     # 121.5 GiB of 128: it fits, with under 10% of the RAM left free
-    assert "offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of 3 layers): tight (host: 6.5 GiB" in out
+    assert "offload_weights + offload_adam storage='cpu', bf16 model, free_gradients (ring of 3 layers): tight (host: 6.5 GiB" in out
     assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "128", "--state-dtype", "float8_e4m3fn"]) == 0
     out = capsys.readouterr().out
     assert "float8_e4m3fn moments" in out
     assert main(["--params", "13e9", "--gpu-gb", "24", "--host-gb", "64", "--nvme-gb", "400", "--bf16-moments"]) == 0
     out = capsys.readouterr().out
-    assert "offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of 3 layers): fits" in out
-    assert "offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of 3 layers): does not fit (host)" in out
+    assert "offload_weights + offload_adam storage='nvme', bf16 model, free_gradients (ring of 3 layers): fits" in out
+    assert "offload_weights + offload_adam storage='cpu', bf16 model, free_gradients (ring of 3 layers): does not fit (host)" in out
 
 
 # -- how fast, what it costs, what to write ----------------------------------------------------
@@ -135,7 +135,7 @@ def test_the_13b_case_says_how_fast_what_it_costs_and_what_to_write(capsys: pyte
     assert main(CASE) == 0
     out = capsys.readouterr().out
     assert "PCIe 25 GB/s (default" in out and "SSD 3 GB/s (default" in out and "CPU step 35 GB/s" in out
-    nvme = _section(out, "offload_weights + offload_adam offload='nvme'")
+    nvme = _section(out, "offload_weights + offload_adam storage='nvme'")
     assert ": fits" in nvme
     # the disk moves the state in and out once a step: 2 x 145.3 GiB at 3 GB/s
     cfg = next(c for c in plan.configurations(13e9, world=1, state_dtype=torch.float32, tensor_params=50_000_000) if c.kind == "stream_nvme")
@@ -145,11 +145,11 @@ def test_the_13b_case_says_how_fast_what_it_costs_and_what_to_write(capsys: pyte
     assert f"{cfg.disk / 2 * 1000 / 1e12:.1f} TB written per 1000 steps" in nvme and "156.0 TB" in nvme
     assert "host 49.4 GiB of 64 (14.6 free, 23%)" in nvme
     rec = out[out.index("Recommended"):]
-    assert rec.startswith("Recommended (fits): offload_weights + offload_adam offload='nvme'")
+    assert rec.startswith("Recommended (fits): offload_weights + offload_adam storage='nvme'")
     # fp32 state moves 290.6 GiB through the SSD a step; bf16 moments with Kahan weights half of
     # it (8-bit moments a third, but that is not 1.5x faster again: the more exact one is taken)
     assert "bf16 moments" in rec and "Kahan" in rec and "bound by the SSD" in rec and "disk 145.3 GiB" in rec
-    assert "state_dtype=torch.bfloat16, master_dtype=torch.bfloat16" in rec and 'offload="nvme"' in rec
+    assert "state_dtype=torch.bfloat16, master_dtype=torch.bfloat16" in rec and 'storage="nvme"' in rec
     ast.parse("\n".join(line[4:] for line in rec.splitlines() if line.startswith("    ")))  # the code is Python
 
 
@@ -158,7 +158,7 @@ def test_time_terms_follow_the_bandwidths_and_the_gpu_compute(capsys: pytest.Cap
     out = capsys.readouterr().out
     assert "SSD 12 GB/s (--disk-gbs)" in out and "PCIe 50 GB/s (--pcie-gbs)" in out and "35" not in out.splitlines()[3]
     cfg = next(c for c in plan.configurations(13e9, world=1, state_dtype=torch.float32, tensor_params=50_000_000) if c.kind == "stream_nvme")
-    assert f"the SSD {cfg.disk / 12e9:.1f} s" in _section(out, "offload_weights + offload_adam offload='nvme'")
+    assert f"the SSD {cfg.disk / 12e9:.1f} s" in _section(out, "offload_weights + offload_adam storage='nvme'")
     # 6 FLOPs per parameter and token: a large batch makes the GPU's compute the bound
     assert main([*CASE, "--tokens-per-step", "1M", "--gpu-tflops", "100", "--state-dtype", "float32", "--master-dtype", "float32"]) == 0
     out = capsys.readouterr().out
@@ -201,7 +201,7 @@ def test_the_recommendation_keeps_fp32_state_unless_compact_state_is_much_faster
     # but not 1.5x: fp32 state
     assert main(["--params", "3B", "--gpu-gb", "24", "--host-gb", "128"]) == 0
     rec = capsys.readouterr().out.split("Recommended")[1]
-    assert rec.startswith(" (fits): offload_adam offload='cpu'") and "fp32 moments and masters" in rec
+    assert rec.startswith(" (fits): offload_adam storage='cpu'") and "fp32 moments and masters" in rec
     assert "offload_adam.AdamW(model.parameters(), lr=1e-5, free_gradients=True)" in rec
     # fits on the GPU: no offload
     assert main(["--params", "350M", "--gpu-gb", "24", "--host-gb", "64"]) == 0

@@ -2,7 +2,7 @@
 
 * The optimizer state: :class:`AdamW` (and :class:`Adam`) replace ``torch.optim.AdamW``/``Adam``
   with one import; the step runs on the CPU in a fused SIMD multithreaded Rust kernel, with the
-  state in host RAM (``offload="cpu"``) or on an SSD (``offload="nvme"``).
+  state in host RAM (``storage="cpu"``) or on an SSD (``storage="nvme"``).
 * The weights: :func:`offload_weights` keeps a model's weights in pinned RAM or on an SSD and
   streams them to the GPU block by block, for inference and for training.
 * The activations: :func:`offload_activations` moves what a forward saves for backward to pinned

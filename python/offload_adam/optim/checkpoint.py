@@ -2,7 +2,7 @@
 
 ``optimizer.save_state(dir)`` writes ``dir/optimizer.safetensors`` bucket by bucket, each
 bucket's state made resident, written and released in turn, so the RAM it needs is the tier's
-window (with ``offload="nvme"``) however large the state is. The file is written under a
+window (with ``storage="nvme"``) however large the state is. The file is written under a
 temporary name and renamed when complete: a checkpoint killed mid-write leaves the previous one
 intact. ``optimizer.load_state(dir)`` reads it back the same way, into any tier.
 

@@ -78,7 +78,7 @@ def stale_runs(nvme_dir: str) -> list[str]:
     up): nobody holds their lock.
 
     Args:
-        nvme_dir: the directory given to ``AdamW(offload="nvme", nvme_dir=...)``,
+        nvme_dir: the directory given to ``AdamW(storage="nvme", nvme_dir=...)``,
             ``offload_weights(storage="nvme", nvme_dir=...)`` or ``offload_activations``.
     """
     out = []

@@ -231,7 +231,7 @@ def configurations(
             16 * shard + biggest, 0, 0, 0, 0, kind="fsdp_gpu",
         ),
         Config(
-            "offload_adam offload='cpu', bf16 model, free_gradients (one replica per GPU)",
+            "offload_adam storage='cpu', bf16 model, free_gradients (one replica per GPU)",
             2 * n + window, ours_off, 0, 4 * n, 0,
             "masters and moments in pinned RAM; bf16 grads down, bf16 weights up",
             kind="offload", pcie_step=2 * n, cpu_bytes=step_bf16, state_dtype=sd,
@@ -243,19 +243,19 @@ def configurations(
             kind="fsdp_cpu", cpu_bytes=step_fsdp, state_dtype=sd,
         ),
         Config(
-            "offload_adam offload='nvme', bf16 model, free_gradients (one replica per GPU)",
+            "offload_adam storage='nvme', bf16 model, free_gradients (one replica per GPU)",
             2 * n + window, landing + nvme_window, on_disk, 4 * n, 2 * on_disk,
             "masters and moments on NVMe, paged through a window",
             kind="nvme", pcie_step=2 * n, cpu_bytes=step_bf16, state_dtype=sd,
         ),
         Config(
-            f"offload_weights + offload_adam offload='cpu', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
+            f"offload_weights + offload_adam storage='cpu', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
             ring + window, weights + ours_w, 0, 6 * n, 0,
             "weights streamed up in forward and again in backward, bf16 grads down; the step writes the host copy",
             kind="stream", cpu_bytes=step_kahan, state_dtype=sd, master_dtype=md, weights=weights,
         ),
         Config(
-            f"offload_weights + offload_adam offload='nvme', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
+            f"offload_weights + offload_adam storage='nvme', bf16 model, free_gradients (ring of {prefetch + 1} layers)",
             ring + window, weights + landing + window_w, on_disk_w, 6 * n, 2 * on_disk_w,
             "weights pinned in RAM and streamed; masters and moments on NVMe, paged through a window",
             kind="stream_nvme", cpu_bytes=step_kahan, state_dtype=sd, master_dtype=md, weights=weights,
@@ -323,7 +323,7 @@ def code(c: Config) -> str:
         extra += f", state_dtype=torch.{_dt(c.state_dtype)}"
     if c.master_dtype != torch.float32:
         extra += f", master_dtype=torch.{_dt(c.master_dtype)}"
-    nvme = ', offload="nvme", nvme_dir="/path/on/the/ssd"' if c.kind in ("nvme", "stream_nvme") else ""
+    nvme = ', storage="nvme", nvme_dir="/path/on/the/ssd"' if c.kind in ("nvme", "stream_nvme") else ""
     loop = [
         "for batch in loader:",
         "    model(**batch).loss.backward()",

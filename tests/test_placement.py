@@ -299,3 +299,44 @@ def test_the_host_pays_the_ram_ring_and_the_kv_cache_and_no_page_cache(nvme_dir:
     assert rep["grew"] <= rep["host_ring_bytes"] + kv + (64 << 20), rep
     assert rep["page_cache_bytes"] <= 0.05 * rep["read_bytes"], rep
     assert rep["host_resident_bytes"] <= 0.25 * rep["weights"] + (1 << 20)
+
+
+class _Nested(torch.nn.Module):
+    """A model whose root holds a parameter of its own (a position table, as the demo's GPT) and
+    calls the other blocks, with an embedding tied to the head: the root's block and the tied one
+    stay in use across the forward while the layers pass through."""
+
+    def __init__(self, d: int = 32, vocab: int = 50, layers: int = 4) -> None:
+        super().__init__()
+        self.tok = torch.nn.Embedding(vocab, d)
+        self.pos = torch.nn.Parameter(torch.randn(16, d))
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(d, 2 * d), torch.nn.GELU(), torch.nn.Linear(2 * d, d)) for _ in range(layers)
+        )
+        self.head = torch.nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_blocks_held_across_the_forward_keep_their_ram_pages(prefetch: int, nvme_dir: str) -> None:
+    """device="cpu", storage="nvme": a block runs from the RAM page its read landed in, for as
+    long as its module runs. The root's block and a tied embedding are held across the forward;
+    the read-ahead of the layers once took the page of a held block when every page was in use
+    (the ring's "needed last" slot), and from the second forward on the logits were silently
+    wrong. A page the host holds is never reused: the ring grows instead."""
+    torch.manual_seed(prefetch)
+    model = _Nested().eval()
+    ref = copy.deepcopy(model)
+    x = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        want = ref(x)
+        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch)
+        for _ in range(4):
+            assert torch.equal(model(x), want)
+    h.close()

@@ -369,6 +369,7 @@ class _Staged:
     transfer: Transfer | None = None  # its read in flight
     ready: bool = False  # read and checked
     event: Any = None  # the device copy (or None: the host's own use) that consumed it
+    held: bool = False  # handed out by get() and not yet given back by done(): never reused
 
 
 class StagingRing:
@@ -379,12 +380,14 @@ class StagingRing:
 
     def __init__(self, device: Device | None, arena: PinnedArena | None, slots: int, slot_bytes: int) -> None:
         self.device = device
-        size = align_up(max(slot_bytes, 1), ALIGN)
-        if arena is not None:
-            bufs = [arena.alloc(size, torch.uint8, align=ALIGN) for _ in range(slots)]
-        else:
-            bufs = [aligned_empty(size, torch.uint8) for _ in range(slots)]
-        self.slots = [_Staged(b) for b in bufs]
+        self.arena = arena
+        self.size = align_up(max(slot_bytes, 1), ALIGN)
+        self.slots = [_Staged(self._buffer()) for _ in range(slots)]
+
+    def _buffer(self) -> Tensor:
+        if self.arena is not None:
+            return self.arena.alloc(self.size, torch.uint8, align=ALIGN)
+        return aligned_empty(self.size, torch.uint8)
 
     @property
     def nbytes(self) -> int:
@@ -401,21 +404,33 @@ class StagingRing:
 
     def take(self) -> _Staged:
         """A slot to read (or stage) into: a free one, else the one whose consumer was queued
-        first (waited for), else the one read for the range needed last."""
+        first (waited for), else the one read ahead for the range needed last; never one the host
+        still holds (a block running on the CPU from it): when the host holds every slot (blocks
+        that call blocks), the ring grows by one, with a warning."""
         for s in self.slots:
-            if s.key is None or self._consumed(s):
+            if not s.held and (s.key is None or self._consumed(s)):
                 break
         else:
             queued = [s for s in self.slots if s.event is not None]
-            s = queued[0] if queued else self.slots[-1]
-            if s.event is not None:
+            ahead = [s for s in self.slots if s.event is None and not s.held]
+            if queued:
+                s = queued[0]
                 self._wait_consumed(s)
-            elif s.transfer is not None:
-                try:
-                    s.transfer.wait()
-                except OSError:
-                    pass  # read for a range now dropped: its error is its reader's, if any
-        s.key, s.transfer, s.ready, s.event = None, None, False, None
+            elif ahead:
+                s = ahead[-1]
+                if s.transfer is not None:
+                    try:
+                        s.transfer.wait()
+                    except OSError:
+                        pass  # read for a range now dropped: its error is its reader's, if any
+            else:
+                log.warning(
+                    "offload_adam: every staging slot is held by a block running from it; the RAM ring grows by %d bytes",
+                    self.size,
+                )
+                s = _Staged(self._buffer())
+                self.slots.append(s)
+        s.key, s.transfer, s.ready, s.event, s.held = None, None, False, None, False
         return s
 
     def _submit(self, s: _Staged, key: int, file: PageFile, offset: int, nbytes: int, label: str) -> None:
@@ -451,6 +466,7 @@ class StagingRing:
                 s.key = None
                 raise
             s.ready = True
+        s.held = True
         return s.buf[:nbytes]
 
     def done(self, key: int, event: Any) -> None:
@@ -458,6 +474,7 @@ class StagingRing:
         for s in self.slots:
             if s.key == key and s.event is None:
                 s.event = event if event is not None else _DONE
+                s.held = False
 
     def stage(self, key: int) -> Tensor:
         """A slot to fill by hand (then written by the caller); given back by :meth:`drop`."""
@@ -469,7 +486,7 @@ class StagingRing:
         """Forgets ``key``'s slot (its bytes are not wanted any more)."""
         for s in self.slots:
             if s.key == key:
-                s.key, s.ready, s.event = None, False, None
+                s.key, s.ready, s.event, s.held = None, False, None, False
 
     def reset(self) -> None:
         """After a fault: waits what is in flight and forgets every slot."""
@@ -480,4 +497,4 @@ class StagingRing:
                 except OSError:
                     pass
             self._wait_consumed(s)
-            s.key, s.transfer, s.ready, s.event = None, None, False, None
+            s.key, s.transfer, s.ready, s.event, s.held = None, None, False, None, False

@@ -203,30 +203,51 @@ def sums(args: argparse.Namespace, cuda: bool, where: str) -> None:
     for a, b in pairs:
         by_len.setdefault(len(f"{a}+{b}="), []).append((a, b))
     dev = "cuda" if cuda else "cpu"
-    right, new_tokens, ttft, decode_s = 0, 0, None, 0.0
+    timed = {"ttft": None, "decode_s": 0.0, "new_tokens": 0}
+
+    def answer(m: torch.nn.Module, timing: bool) -> list[str]:
+        """Greedy answers to the 100 sums, batched by prompt length (up to three digits and ';')."""
+        outs: dict[tuple[int, int], str] = {}
+        with torch.no_grad():
+            for n, group in sorted(by_len.items()):
+                x = torch.tensor([[lut[c] for c in f"{a}+{b}="] for a, b in group], device=dev)
+                got = [""] * len(group)
+                for step in range(4):
+                    sync(cuda)
+                    t = time.perf_counter()
+                    nxt = m(x)[:, -1].argmax(-1)
+                    sync(cuda)
+                    if timing and timed["ttft"] is None:
+                        timed["ttft"] = time.perf_counter() - t
+                    elif timing:
+                        timed["decode_s"] += time.perf_counter() - t
+                        timed["new_tokens"] += len(group)
+                    x = torch.cat([x, nxt[:, None]], 1)
+                    for i, c in enumerate(nxt.tolist()):
+                        got[i] += VOCAB[c]
+                outs.update(zip(group, got))
+        return [outs[(a, b)] for a, b in pairs]
+
     h.reset_stats()
-    with torch.no_grad():
-        for n, group in sorted(by_len.items()):
-            x = torch.tensor([[lut[c] for c in f"{a}+{b}="] for a, b in group], device=dev)
-            outs = [""] * len(group)
-            for step in range(4):  # up to three digits and the ';'
-                sync(cuda)
-                t = time.perf_counter()
-                nxt = model(x)[:, -1].argmax(-1)
-                sync(cuda)
-                if ttft is None:
-                    ttft = time.perf_counter() - t
-                else:
-                    decode_s += time.perf_counter() - t
-                    new_tokens += len(group)
-                x = torch.cat([x, nxt[:, None]], 1)
-                for i, c in enumerate(nxt.tolist()):
-                    outs[i] += VOCAB[c]
-            right += sum(o.split(";")[0] == str(a + b) and ";" in o for o, (a, b) in zip(outs, group))
-            example = f"{group[0][0]}+{group[0][1]}={outs[0].split(';')[0]}"
+    outs = answer(model, True)
     rep = h.report()
+    right = sum(o.split(";")[0] == str(a + b) and ";" in o for o, (a, b) in zip(outs, pairs))
+    # The same checkpoint loaded into RAM the ordinary way: the answers must be the same, right or wrong.
+    from safetensors.torch import load_model
+
+    plain = GPT(cfg["vocab"], cfg["ctx"], cfg["d_model"], cfg["layers"], cfg["heads"]).to(getattr(torch, cfg["dtype"])).eval()
+    load_model(plain, ckpt)
+    same = answer(plain.to(dev), False) == outs
+    ttft, decode_s, new_tokens = float(timed["ttft"] or 0.0), float(timed["decode_s"]), int(timed["new_tokens"])
     moved, how = per_token(rep, cuda)
-    print(f"accuracy over 100 sums: {right}/100 (e.g. {example!r})" + ("" if right >= 90 else ": the weights did NOT arrive intact, or the demo trained too little"))
+    a, b = pairs[0]
+    print(
+        f"accuracy over 100 sums: {right}/100 (e.g. {a}+{b}={outs[0].split(';')[0]}); answers "
+        + ("identical to the checkpoint loaded into RAM: the weights arrived intact" if same else "DIFFER from the checkpoint loaded into RAM")
+        + ("" if right >= 50 else " (the demo's model knows few sums: train longer, make demo DEMO_ARGS=\"--steps 2000\")")
+    )
+    if not same:
+        raise SystemExit(1)
     print(host_figures(rep, cuda))
     rate = new_tokens / max(decode_s, 1e-9)
     print(f"per forward: {moved / MiB:.2f} MiB {how}; time to first token {ttft * 1e3:.1f} ms, {rate:.1f} tokens/s "

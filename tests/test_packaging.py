@@ -67,6 +67,7 @@ def test_main_job_runs_plots_and_reports_agreement(tmp_path: Path) -> None:
     nvme.mkdir()
     out = _run_example(["examples/generate.py", "--sums", str(tmp_path / "sums"), "--storage", "nvme", "--nvme-dir", str(nvme)])
     assert "the real CPU path" in out and "accuracy over 100 sums: " in out and "read from the SSD" in out
+    assert "answers identical to the checkpoint loaded into RAM" in out
     assert "placement: {'prompt': {'stream': 0, 'cpu': " in out and "bound: O_DIRECT read rate" in out
     assert list(nvme.iterdir()) == []
     # the offload path, on CPU parameters through the streaming machinery

@@ -332,6 +332,10 @@ def model_decode(*, rounds: int, threads: int, layers: int, prompt_len: int, tok
             "ttft_s": statistics.median(t for t, _ in vals),
             "vs_torch_bf16": statistics.median(a / b for a, b in zip(tps, base)),
         }
+    for ours_n, peer in (("ours int8", "llama.cpp Q8_0"), ("ours bf16", "llama.cpp BF16")):
+        if peer in rec:
+            per = [(steps[ours_n] / a[1]) / (steps[peer] / b[1]) for a, b in zip(rec[ours_n], rec[peer])]
+            out["results"][ours_n][f"vs_{peer}"] = statistics.median(per)
     if tmp is not None:
         tmp.cleanup()
     return out
@@ -356,7 +360,7 @@ def run(*, rounds: int, threads: int, model: bool, layers: int = 4, tokens: int 
     for rows, r in res["rows"].items():
         print(f"    {rows:3d} rows: " + "  ".join(f"{n} {t * 1e3:.2f}" for n, t in r.items()))
     if model:
-        m = model_decode(rounds=max(2, rounds // 3), threads=threads, layers=layers, prompt_len=64, tokens=tokens, gguf_dir=gguf_dir)
+        m = model_decode(rounds=max(2, rounds // 2), threads=threads, layers=layers, prompt_len=64, tokens=tokens, gguf_dir=gguf_dir)
         res["model"] = m
         print(f"  decode after a 64-token prompt, {layers} layers of hidden 4096 / FFN 14336, vocab 32000:")
         for n, r in m["results"].items():
@@ -364,6 +368,7 @@ def run(*, rounds: int, threads: int, model: bool, layers: int = 4, tokens: int 
             print(
                 f"    {n:<34} {r['tokens_per_s']:6.2f} tokens/s ({lo:.2f}-{hi:.2f})  TTFT {r['ttft_s']:.2f} s  "
                 f"{r['vs_torch_bf16']:5.2f}x torch bf16"
+                + "".join(f", {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_llama"))
             )
         for note in m["notes"]:
             print(f"    {note}")

@@ -36,9 +36,10 @@ from .. import _native
 
 Kind = Literal["bf16", "int8", "fp8"]
 
-# Rows at or below which a CPU-executed linear runs the native kernel (decode and short prompts);
-# above, torch's GEMM reuses each weight over enough rows to win. Measured with
-# ``python -m offload_adam bench --linear`` (its crossover table).
+# Rows at or below which a CPU-executed linear runs the native kernel: decode, and prompts short
+# enough that they are not better streamed to a GPU. On this project's AVX2 machine the kernel led
+# torch's bf16 and torchao's int8 linear at every row count up to 64 (``python -m offload_adam
+# bench --linear``, its rows table); 16 keeps it to the few rows it is built for.
 MAX_ROWS = 16
 
 _KIND_OF_DTYPE: dict[torch.dtype, Kind] = {torch.bfloat16: "bf16", torch.int8: "int8", torch.float8_e4m3fn: "fp8"}

@@ -2,7 +2,7 @@
 #   make demo   creates .venv, builds and installs offload_adam (release), runs the main job
 #               (DEMO_ARGS="--offload nvme --nvme-dir DIR" puts its optimizer state on an SSD)
 #   make test   same set-up, then cargo test and pytest
-#   (make generate runs examples/generate.py: weights streamed to the GPU while a model generates;
+#   (make generate runs examples/generate.py: the demo's model loaded from its checkpoint, answering sums;
 #    make docs builds the documentation site into site/; CONTRIBUTING.md lists every target)
 PYTHON ?= python3
 VENV   ?= .venv
@@ -26,10 +26,14 @@ install: $(DEPS)
 demo: install
 	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
 
-# Weights offloaded: a causal LM generating with its weights streamed (GEN_ARGS="--storage nvme
-# --nvme-dir DIR --gpu-budget-gb X --prefetch K ..."); through the simulated device without a GPU.
-generate: install
-	$(BIN)/python examples/generate.py $(GEN_ARGS)
+# Weights offloaded: the sums model make demo saved (trained first if it is not there), built empty
+# and loaded from its checkpoint onto an SSD (runs/nvme; GEN_ARGS="--nvme-dir DIR --gpu-budget-gb X
+# --placement auto ..."), answering 100 sums; on the CPU (device="cpu") without a GPU.
+generate: runs/sums/model.safetensors
+	$(BIN)/python examples/generate.py --sums runs/sums --storage nvme $(GEN_ARGS)
+
+runs/sums/model.safetensors: | install
+	$(BIN)/python examples/train_gpt.py --save runs/sums
 
 test: install
 	cargo test --quiet

@@ -9,10 +9,16 @@ random token ids. The script offloads the weights, generates greedily, and print
 running a model larger than their GPU weighs: the VRAM peak, host and NVMe bytes, bytes moved host
 to device per token, time to first token and tokens/s, the bound those imply (host-to-device
 bandwidth / streamed bytes per token), and the same figures for the model resident when it fits
-(with its tokens, which must be the same). Without a GPU it runs through offload_adam's simulated
-device, and says so: its times are then the CPU's, not a GPU's.
+(with its tokens, which must be the same). Without a GPU the CPU runs the model
+(``device="cpu"``: the real CPU path, not a simulation), and it says so.
+
+With --sums DIR it loads the model `make demo` trained and saved there (examples/train_gpt.py:
+sentences of sums), built empty and filled from its safetensors checkpoint by offload_weights
+(storage "nvme" by default), and answers 100 sums such as "17+5=": right answers show that the
+weights arrived intact. `make generate` runs that.
 
 examples:
+    python examples/generate.py --sums runs/sums --storage nvme    # what make generate runs
     python examples/generate.py                                    # a random 0.16B Llama, every block streamed
     python examples/generate.py --checkpoint DIR --prompt "The capital of France is" --gpu-budget-gb 20
     python examples/generate.py --storage nvme --nvme-dir /mnt/nvme/scratch --prefetch 2
@@ -21,11 +27,9 @@ examples:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -108,6 +112,9 @@ class _Help(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpF
 
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python examples/generate.py", description=__doc__, formatter_class=_Help)
+    ap.add_argument("--sums", metavar="DIR", help="answer sums with the model make demo saved in DIR (model.safetensors, config.json)")
+    ap.add_argument("--placement", default="stream", choices=["stream", "cpu", "auto"], help="offload_weights(placement=...): where a block that is not resident runs (with a GPU)")
+    ap.add_argument("--host-budget-gb", type=float, default=None, help="--storage nvme: GiB of RAM for blocks kept there instead of read from the SSD")
     ap.add_argument("--checkpoint", metavar="DIR", help="an HF folder (config.json, safetensors, and a tokenizer if it has one) to load instead of a random model")
     ap.add_argument("--layers", type=int, default=8, help="random model: decoder layers")
     ap.add_argument("--d-model", type=int, default=1024, help="random model: hidden size (heads of 64, a quarter as many KV heads)")
@@ -124,23 +131,127 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and the random prompt")
     ap.add_argument("--no-resident", action="store_true", help="skip the comparison with the model resident on the device")
     args = ap.parse_args()
+    if args.storage == "nvme" and not args.nvme_dir:
+        args.nvme_dir = os.path.join("runs", "nvme")
+        os.makedirs(args.nvme_dir, exist_ok=True)
+    cuda = torch.cuda.is_available()
+    where = f"CUDA, {torch.cuda.get_device_name()}" if cuda else "no GPU here: the CPU runs the model (device='cpu', the real CPU path)"
+    if args.sums:
+        sums(args, cuda, where)
+        return
     args.tokenizer = tokenizer(args)
     if args.prompt is not None and args.tokenizer is None:
         ap.error("--prompt: text needs a tokenizer, and this model has none (use --checkpoint DIR with a tokenizer, or --prompt-len N)")
-    cuda = torch.cuda.is_available()
-    with _device(cuda) as where:
-        run(args, cuda, where)
+    run(args, cuda, where)
 
 
-@contextlib.contextmanager
-def _device(cuda: bool) -> Iterator[str]:
+def offload_kwargs(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+    kw: dict[str, Any] = {"storage": args.storage, "prefetch": args.prefetch, "device": None if cuda else "cpu"}
     if cuda:
-        yield f"CUDA, {torch.cuda.get_device_name()}"
-        return
-    from offload_adam import testing
+        kw.update(gpu_budget_gb=args.gpu_budget_gb, placement=args.placement)
+    if args.storage == "nvme":
+        kw.update(nvme_dir=args.nvme_dir, host_budget_gb=args.host_budget_gb)
+    return kw
 
-    with testing.simulated_device(max_delay_s=0.0, lazy=False, keep_open=True):
-        yield "no GPU here: the simulated device (CPU tensors as device memory; the times are the CPU's, not a GPU's)"
+
+def host_figures(rep: dict[str, Any], cuda: bool) -> str:
+    """VRAM, RAM and page cache, as the report gives them."""
+    vram = f"VRAM peak of the offload {rep['gpu_peak_bytes'] / MiB:.1f} MiB" if cuda else "VRAM: none (no GPU)"
+    return (
+        f"{vram}; RAM: peak RSS of this process {rep['host_rss_peak_bytes'] / MiB:.1f} MiB, weights kept in RAM "
+        f"{(rep['host_resident_bytes'] + rep['host_pinned_bytes']) / MiB:.1f} MiB, RAM ring {rep['host_ring_bytes'] / MiB:.1f} MiB; "
+        f"page cache of the offload's files {rep['page_cache_bytes'] / MiB:.2f} MiB; NVMe {rep['nvme_bytes'] / MiB:.1f} MiB"
+    )
+
+
+def per_token(rep: dict[str, Any], cuda: bool) -> tuple[float, str]:
+    """The bytes a forward moves to run its non-resident blocks, and what moves them."""
+    passes = max(rep["passes"], 1)
+    if cuda:
+        return rep["h2d_bytes"] / passes, "host to device"
+    return rep.get("read_bytes", 0) / passes, "read from the SSD"
+
+
+def sums(args: argparse.Namespace, cuda: bool, where: str) -> None:
+    """The sums model of make demo, built empty, loaded through offload_weights from its checkpoint,
+    asked 100 sums (see the module documentation)."""
+    import json
+    import sys
+
+    from accelerate import init_empty_weights
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from train_gpt import GPT, VOCAB
+
+    ckpt = os.path.join(args.sums, "model.safetensors")
+    if not os.path.exists(ckpt):
+        raise SystemExit(f"--sums {args.sums}: no model.safetensors there; make demo trains and saves it")
+    with open(os.path.join(args.sums, "config.json")) as f:
+        cfg = json.load(f)
+    with init_empty_weights():  # parameters on the meta device; the causal mask (a buffer) real
+        model = GPT(cfg["vocab"], cfg["ctx"], cfg["d_model"], cfg["layers"], cfg["heads"]).to(getattr(torch, cfg["dtype"]))
+    model.head.weight = model.tok.weight  # tied again: init_empty_weights re-creates each parameter it registers
+    model.eval()
+    print(f"the sums model of make demo: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['dtype']}, from {ckpt}; device: {where}")
+    t0 = time.perf_counter()
+    h = offload_adam.offload_weights(model, checkpoint=ckpt, **offload_kwargs(args, cuda))
+    print(f"offload: storage {args.storage}, placement {h.report()['placement']}, set up in {time.perf_counter() - t0:.2f} s")
+    lut = {c: i for i, c in enumerate(VOCAB)}
+    g = torch.Generator().manual_seed(args.seed)
+    pairs = torch.randint(0, 100, (100, 2), generator=g).tolist()
+    by_len: dict[int, list[tuple[int, int]]] = {}
+    for a, b in pairs:
+        by_len.setdefault(len(f"{a}+{b}="), []).append((a, b))
+    dev = "cuda" if cuda else "cpu"
+    right, new_tokens, ttft, decode_s = 0, 0, None, 0.0
+    h.reset_stats()
+    with torch.no_grad():
+        for n, group in sorted(by_len.items()):
+            x = torch.tensor([[lut[c] for c in f"{a}+{b}="] for a, b in group], device=dev)
+            outs = [""] * len(group)
+            for step in range(4):  # up to three digits and the ';'
+                sync(cuda)
+                t = time.perf_counter()
+                nxt = model(x)[:, -1].argmax(-1)
+                sync(cuda)
+                if ttft is None:
+                    ttft = time.perf_counter() - t
+                else:
+                    decode_s += time.perf_counter() - t
+                    new_tokens += len(group)
+                x = torch.cat([x, nxt[:, None]], 1)
+                for i, c in enumerate(nxt.tolist()):
+                    outs[i] += VOCAB[c]
+            right += sum(o.split(";")[0] == str(a + b) and ";" in o for o, (a, b) in zip(outs, group))
+            example = f"{group[0][0]}+{group[0][1]}={outs[0].split(';')[0]}"
+    rep = h.report()
+    moved, how = per_token(rep, cuda)
+    print(f"accuracy over 100 sums: {right}/100 (e.g. {example!r})" + ("" if right >= 90 else ": the weights did NOT arrive intact, or the demo trained too little"))
+    print(host_figures(rep, cuda))
+    rate = new_tokens / max(decode_s, 1e-9)
+    print(f"per forward: {moved / MiB:.2f} MiB {how}; time to first token {ttft * 1e3:.1f} ms, {rate:.1f} tokens/s "
+          f"(batched by prompt length; each forward reruns the whole context: this model has no KV cache)")
+    print(f"placement: {rep['calls']}; time in blocks run on the CPU {rep['cpu_s']:.3f} s")
+    print(bound_line(rep, cuda, moved, rate, args))
+    h.close()
+
+
+def bound_line(rep: dict[str, Any], cuda: bool, moved: float, rate: float, args: argparse.Namespace) -> str:
+    """The tokens/s the moved bytes allow: over the measured host-to-device bandwidth on a GPU, or
+    this disk's O_DIRECT read rate (the calibration's, else measured here) on the CPU."""
+    if moved <= 0:
+        return "bound: nothing moved per forward (every block resident)"
+    if cuda:
+        bw = rep["h2d_bytes"] / rep["h2d_s"] if rep["h2d_s"] > 0 else float("nan")
+        what = "host-to-device bandwidth"
+    else:
+        from offload_adam.runtime import calibration, costs
+
+        bw = calibration.load().get("disk_read_gbs") or costs.disk_read_gbs(args.nvme_dir, 256 << 20)
+        bw *= 1e9
+        what = "O_DIRECT read rate"
+    forwards = bw / moved
+    return f"bound: {what} {bw / 1e9:.2f} GB/s / {moved / MiB:.2f} MiB per forward = {forwards:.1f} forwards/s"
 
 
 def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
@@ -173,9 +284,7 @@ def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
             del ref
             if cuda:
                 torch.cuda.empty_cache()
-    kw: dict[str, Any] = {"storage": args.storage, "prefetch": args.prefetch, "gpu_budget_gb": args.gpu_budget_gb}
-    if args.storage == "nvme":
-        kw["nvme_dir"] = args.nvme_dir
+    kw = offload_kwargs(args, cuda)
     if args.checkpoint:
         kw["checkpoint"] = args.checkpoint
     t0 = time.perf_counter()
@@ -188,29 +297,19 @@ def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
     h.reset_stats()
     toks, ttft, rate = generate(model, xs, args.tokens, cuda)
     rep = h.report()
-    passes = max(rep["passes"], 1)
-    per_token = rep["h2d_bytes"] / passes
-    bw = rep["h2d_bytes"] / rep["h2d_s"] if rep["h2d_s"] > 0 else float("nan")
-    bound = bw / rep["streamed_bytes"] * args.batch if rep["streamed_bytes"] else float("inf")
+    moved, how = per_token(rep, cuda)
     print(
-        f"offload: storage {args.storage}, prefetch {args.prefetch}, {rep['streamed_blocks']} of {rep['blocks']} blocks streamed "
-        f"({rep['streamed_bytes'] / MiB:.1f} MiB), resident {rep['gpu_resident_bytes'] / MiB:.1f} MiB, ring {rep['ring_bytes'] / MiB:.1f} MiB; "
-        f"set up in {setup:.2f} s"
+        f"offload: storage {args.storage}, placement {rep['placement']}, prefetch {args.prefetch}, {rep['streamed_blocks']} of "
+        f"{rep['blocks']} blocks streamed ({rep['streamed_bytes'] / MiB:.1f} MiB), resident on the GPU "
+        f"{rep['gpu_resident_bytes'] / MiB:.1f} MiB, ring {rep['ring_bytes'] / MiB:.1f} MiB; set up in {setup:.2f} s"
     )
+    print(host_figures(rep, cuda) + (f" (torch.cuda.max_memory_allocated: {torch.cuda.max_memory_allocated() / MiB:.1f} MiB)" if cuda else ""))
     print(
-        f"VRAM peak of the offload {rep['gpu_peak_bytes'] / MiB:.1f} MiB"
-        + (f" (torch.cuda.max_memory_allocated, activations and KV cache included: {torch.cuda.max_memory_allocated() / MiB:.1f} MiB)" if cuda else "")
-        + f"; host pinned {rep['host_pinned_bytes'] / MiB:.1f} MiB; NVMe {rep['nvme_bytes'] / MiB:.1f} MiB"
+        f"per forward (per token): {moved / MiB:.1f} MiB {how}; compute waited {rep['stall_s'] * 1e3:.1f} ms for weights, "
+        f"{rep['cpu_s']:.2f} s in blocks run on the CPU, over {rep['passes']} forwards; placement {rep['calls']}"
+        + (f"; host waited {rep['io_wait_s'] * 1e3:.1f} ms for the disk" if args.storage == "nvme" else "")
     )
-    print(
-        f"host to device: {per_token / MiB:.1f} MiB per forward (per token), copies at {bw / 1e9:.2f} GB/s, "
-        f"compute waited {rep['stall_s'] * 1e3:.1f} ms for weights over {passes} forwards"
-        + (f"; disk read {rep['read_bytes'] / MiB:.1f} MiB, host waited {rep['io_wait_s'] * 1e3:.1f} ms" if args.storage == "nvme" else "")
-    )
-    print(
-        f"time to first token {ttft * 1e3:.1f} ms, decode {rate:.2f} tokens/s; "
-        f"bound (H2D bandwidth / streamed bytes per token) {bound:.2f} tokens/s: decode at {rate / bound:.2f} of it"
-    )
+    print(f"time to first token {ttft * 1e3:.1f} ms, decode {rate:.2f} tokens/s; " + bound_line(rep, cuda, moved, rate, args))
     if resident is not None:
         same = torch.equal(resident["tokens"], toks.cpu())
         print(

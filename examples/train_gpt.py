@@ -122,6 +122,10 @@ def main() -> None:
     )  # fmt: skip
     ap.add_argument("--offload-weights", action="store_true", help="stream the weights too (offload_weights)")
     ap.add_argument("--prefetch", type=int, default=2, help="--offload-weights: blocks copied ahead")
+    ap.add_argument(
+        "--save", metavar="DIR", default="runs/sums",
+        help="save the trained model there (model.safetensors and config.json): examples/generate.py --sums DIR answers sums with it",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.offload_weights and not args.simulate and not (args.device != "cpu" and torch.cuda.is_available()):
         print("--offload-weights without CUDA: streaming to the simulated device (figures are of this CPU, not a GPU)")
@@ -269,6 +273,8 @@ def run(args: argparse.Namespace) -> None:
     ours.close()
     if streamed is not None:
         streamed.close()
+    if args.save:
+        save(model, args)
     if args.plot:
         plot(args.plot, breakdown, step_times)
     # Two fp32 optimizers that round differently drift apart step by step (training amplifies
@@ -294,6 +300,23 @@ def run(args: argparse.Namespace) -> None:
         )
     if not agree:
         raise SystemExit(1)
+
+def save(model: torch.nn.Module, args: argparse.Namespace) -> None:
+    """The trained model as a safetensors checkpoint (the tied embedding and head stored once) and
+    the config that rebuilds it."""
+    import json
+    import os
+
+    from safetensors.torch import save_model
+
+    os.makedirs(args.save, exist_ok=True)
+    save_model(model.cpu(), os.path.join(args.save, "model.safetensors"))
+    cfg = {"vocab": len(VOCAB), "ctx": args.ctx, "d_model": args.d_model, "layers": args.layers, "heads": args.heads,
+           "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}  # fmt: skip
+    with open(os.path.join(args.save, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    print(f"saved the trained model in {args.save}/ (model.safetensors, config.json): make generate answers sums with it")
+
 
 def plot(path: str, breakdown: list[dict[str, float]], step_times: dict[str, list[float]]) -> None:
     """Per-step optimizer time of both optimizers, and the offload's breakdown when there is one."""

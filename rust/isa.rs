@@ -20,6 +20,21 @@ pub const LANES: usize = 16;
 /// One block of `f32` lanes.
 pub type Block = [f32; LANES];
 
+/// The CPU features of each x86 path, written once: the run-time check ([`Simd::supported`])
+/// and the `#[target_feature]` of the kernel's code paths (`kernel/path.rs`) are both made from
+/// this table. `simd_features!(Avx512, m!(args))` expands to `m!(args "avx2" "fma" ...)`: a
+/// path's features are its base path's and its own.
+macro_rules! simd_features {
+    (Avx2, $m:ident!($($a:tt)*)) => { $m! { $($a)* "avx2" "fma" "f16c" } };
+    (Avx512, $m:ident!($($a:tt)*)) => {
+        $crate::isa::simd_features! { Avx2, $m!($($a)* "avx512f" "avx512bw" "avx512vl" "avx512dq") }
+    };
+    (Avx512Bf16, $m:ident!($($a:tt)*)) => { $crate::isa::simd_features! { Avx512, $m!($($a)* "avx512bf16") } };
+    (Avx512Vbmi, $m:ident!($($a:tt)*)) => { $crate::isa::simd_features! { Avx512, $m!($($a)* "avx512vbmi") } };
+    (Avx512Bf16Vbmi, $m:ident!($($a:tt)*)) => { $crate::isa::simd_features! { Avx512Bf16, $m!($($a)* "avx512vbmi") } };
+}
+pub(crate) use simd_features;
+
 /// A code path of the kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Simd {
@@ -66,28 +81,24 @@ impl Simd {
         })
     }
 
-    /// Whether this CPU can run the path.
+    /// Whether this CPU can run the path: it has every feature [`simd_features`] lists for it.
     pub fn supported(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        macro_rules! detected {
+            ($($f:tt)*) => { true $(&& is_x86_feature_detected!($f))* };
+        }
         match self {
             Simd::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx2 => {
-                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
-            }
+            Simd::Avx2 => simd_features!(Avx2, detected!()),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512 => {
-                Simd::Avx2.supported()
-                    && is_x86_feature_detected!("avx512f")
-                    && is_x86_feature_detected!("avx512bw")
-                    && is_x86_feature_detected!("avx512vl")
-                    && is_x86_feature_detected!("avx512dq")
-            }
+            Simd::Avx512 => simd_features!(Avx512, detected!()),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512Bf16 => Simd::Avx512.supported() && is_x86_feature_detected!("avx512bf16"),
+            Simd::Avx512Bf16 => simd_features!(Avx512Bf16, detected!()),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512Vbmi => Simd::Avx512.supported() && is_x86_feature_detected!("avx512vbmi"),
+            Simd::Avx512Vbmi => simd_features!(Avx512Vbmi, detected!()),
             #[cfg(target_arch = "x86_64")]
-            Simd::Avx512Bf16Vbmi => Simd::Avx512Bf16.supported() && Simd::Avx512Vbmi.supported(),
+            Simd::Avx512Bf16Vbmi => simd_features!(Avx512Bf16Vbmi, detected!()),
             #[cfg(target_arch = "aarch64")]
             Simd::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
@@ -151,7 +162,7 @@ pub fn resolve(name: &str) -> Result<Simd> {
 ///
 /// # Safety
 /// Implementations may use instructions of their path: call them only from code running on a CPU
-/// that supports that path (`kernel::dispatch` in `kernel/mod.rs` checks this once).
+/// that supports that path (`kernel::path::dispatch` checks this once).
 pub unsafe trait Isa: Copy + Send + Sync + 'static {
     /// Hints that the cache line at `p` will be read soon. Never faults (any address is fine).
     #[inline(always)]

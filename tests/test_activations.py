@@ -89,6 +89,7 @@ def test_gradients_are_bitwise_the_unoffloaded_models(
         ao = offload_adam.offload_activations(min_bytes=1024, prefetch=1 + seed % 2, **nv)
         with ao:
             loss = loss_of(m, x)
+            ao.flush()  # (nvme: every saved storage on the SSD now, read back in the backward)
             if inside:
                 loss.backward()
         if not inside:
@@ -362,13 +363,21 @@ def test_events_stay_bounded_from_step_to_step() -> None:
 def test_saved_storages_whose_copy_has_not_run_are_capped() -> None:
     """Finding 11: a forward that saves faster than the copies drain keeps every device storage
     until its copy has run; beyond max_inflight_bytes the forward waits for the oldest."""
+    import threading
+
     with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
-        sim.d2h.max_delay_s = 0.02  # slow copies out
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         cap = 3 * 64 * 64 * 4
-        with offload_adam.offload_activations(min_bytes=1024, max_inflight_bytes=cap) as ao:
-            loss = m(x).sum()
+        release = sim.hold(sim.d2h)  # the copies out run only once released: the forward saves faster
+        timer = threading.Timer(0.5, release)
+        timer.start()
+        try:
+            with offload_adam.offload_activations(min_bytes=1024, max_inflight_bytes=cap) as ao:
+                loss = m(x).sum()
+        finally:
+            timer.cancel()
+            release()
         loss.backward()
         rep = ao.report()
         assert rep["inflight_peak_bytes"] <= cap + 64 * 64 * 4 and rep["inflight_waits"] > 0, rep
@@ -389,6 +398,7 @@ def test_nvme_reloads_wait_for_their_region_not_for_every_copy_queued(nvme_dir: 
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=1) as ao:
             loss = m(x).sum()
+        ao.flush()  # every saved storage on the SSD: the backward reloads them
         assert ao.report()["write_bytes"] > 0
         release = sim.hold(sim.d2h)
         timed_out = threading.Event()
@@ -463,4 +473,23 @@ def test_smaller_items_a_tensor_of_another_device_warns_and_graph_capture_is_ref
             m(torch.randn(2, 8))
         sim.graph_capture = False
         h.close()
+        ao.close()
+
+
+def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
+    """The activations' NVMe ranges go through the runtime's page store, CRC included (they had
+    none): a range corrupted on the disk is a clear error naming the file when it is read back."""
+    with testing.simulated_device(seed=2, max_delay_s=0.0):
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        assert ao.store is not None and ao.report()["write_bytes"] > 0
+        f = ao.files[0]
+        with open(f.path, "r+b") as fh:
+            fh.seek(4096 + 10)  # the second range
+            fh.write(b"\x7f" * 4)
+        with pytest.raises(OSError, match=r"activations-0\.bin: a saved storage of \d+ bytes is corrupted \(checksum mismatch\)"):
+            loss.backward()
+        del loss
         ao.close()

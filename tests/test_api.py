@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 import os
 import signal
@@ -15,7 +16,7 @@ import offload_adam
 from offload_adam import Adam, AdamW
 
 EXTRAS = {
-    "num_threads", "state_dtype", "master_dtype", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb",
+    "num_threads", "state_dtype", "master_dtype", "storage", "offload", "bias_correction", "free_gradients", "async_step", "bucket_mb",
     "nvme_dir", "host_budget_gb", "nvme_read_ahead",
 }  # fmt: skip
 
@@ -54,16 +55,36 @@ def test_signature_and_defaults_match_torch(ours: type, ref: type) -> None:
         ({"master_dtype": torch.float16}, "master_dtype must be"),
         ({"offload": "disk"}, "offload must be one of"),
         ({"offload": "nvme"}, "offload=\"nvme\" needs nvme_dir"),
-        ({"nvme_dir": "/tmp"}, "nvme_dir is only used with offload=\"nvme\""),
+        ({"offload": "cpu", "nvme_dir": "/tmp"}, "nvme_dir is only used with offload=\"nvme\""),
         ({"host_budget_gb": -1}, "host_budget_gb must be"),
-        ({"host_budget_gb": 8}, 'host_budget_gb is only used with offload="nvme"'),
+        ({"offload": "cpu", "host_budget_gb": 8}, 'host_budget_gb is only used with offload="nvme"'),
+        ({"host_budget_gb": 8}, 'host_budget_gb is only used with storage="nvme"'),
         ({"nvme_read_ahead": -1}, "nvme_read_ahead must be"),
+        ({"storage": "disk"}, "storage must be one of"),
+        ({"storage": "nvme"}, "storage=\"nvme\" needs nvme_dir"),
+        ({"nvme_dir": "/tmp"}, "nvme_dir is only used with storage=\"nvme\""),
+        ({"storage": "cpu", "offload": "nvme"}, "storage and offload name the same choice"),
         ({"num_threads": 0}, "num_threads must be an int >= 1"),
     ],
 )
 def test_invalid_arguments_raise_like_torch(kw: dict[str, Any], msg: str) -> None:
     with pytest.raises(ValueError, match=msg):
         AdamW(make_params(), **kw)
+
+
+def test_storage_is_the_word_for_where_the_state_lives_and_offload_its_alias(tmp_path: Any) -> None:
+    """``storage=`` as offload_weights and offload_activations say it; ``offload=`` still works,
+    alone or given the same value."""
+    for kw in ({}, {"storage": "cpu"}, {"offload": "cpu"}, {"storage": "cpu", "offload": "cpu"}):
+        opt = AdamW(make_params(), **kw)
+        assert opt.storage == opt.offload == "cpu"
+    for kw in ({"storage": "nvme"}, {"offload": "nvme"}, {"storage": "nvme", "offload": "nvme"}):
+        opt = AdamW(make_params(), nvme_dir=str(tmp_path), **kw)
+        assert opt.storage == "nvme" and opt.memory_report()["nvme_bytes"] > 0
+        twin = copy.deepcopy(opt)
+        assert twin.storage == "nvme"
+        twin.close()
+        opt.close()
 
 
 @pytest.mark.parametrize("kw", [{"free_gradients": True}, {"async_step": True}])

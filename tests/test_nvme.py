@@ -20,7 +20,7 @@ import torch
 from helpers import clone_params
 
 from offload_adam import AdamW, _native, testing
-from offload_adam.runtime.pager import RUN_PREFIX, remove_stale_runs, stale_runs
+from offload_adam.runtime.pages import RUN_PREFIX, remove_stale_runs, stale_runs
 
 SHAPES = [(300, 200), (7,), (5000,), (64, 64), (1,), (100, 100), (3, 5, 7)]
 BUCKET_MB = 0.05  # several buckets (pages) for these shapes
@@ -310,7 +310,7 @@ def test_files_removed_at_interpreter_exit_and_killed_runs_reported(nvme_dir: st
 
 
 def test_free_space_is_checked_before_training(nvme_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import offload_adam.runtime.pager as nvme
+    import offload_adam.runtime.pages as nvme
 
     real = nvme.shutil.disk_usage
     monkeypatch.setattr(nvme.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
@@ -505,7 +505,7 @@ def test_the_memory_window_moves_its_pages_from_range_to_range() -> None:
     """What the pager builds on: window memory moved under a range shows what the last lease
     wrote there; given back, the range reads zeros (an empty mapping) and the window's memory
     serves the next range. Bad arguments are refused by name."""
-    from offload_adam.runtime.pager import aligned_empty
+    from offload_adam.runtime.pages import aligned_empty
 
     page = 4096 // 4
     a, b = aligned_empty(64 * page, torch.float32), aligned_empty(64 * page, torch.float32)

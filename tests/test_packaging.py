@@ -60,10 +60,19 @@ def _run_example(args: list[str], env: dict[str, str] | None = None) -> str:
 
 def test_main_job_runs_plots_and_reports_agreement(tmp_path: Path) -> None:
     small = ["--steps", "20", "--layers", "1", "--d-model", "32", "--batch", "8"]
-    out = _run_example(["examples/train_gpt.py", *small, "--plot", str(tmp_path / "a.png")])
+    out = _run_example(["examples/train_gpt.py", *small, "--plot", str(tmp_path / "a.png"), "--save", str(tmp_path / "sums")])
     assert "loss curves agree" in out and (tmp_path / "a.png").stat().st_size > 1000
+    # make generate's job: the saved model built empty, loaded from its checkpoint onto NVMe, on the CPU
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    out = _run_example(["examples/generate.py", "--sums", str(tmp_path / "sums"), "--storage", "nvme", "--nvme-dir", str(nvme)])
+    assert "the real CPU path" in out and "accuracy over 100 sums: " in out and "read from the SSD" in out
+    assert "placement: {'prompt': {'stream': 0, 'cpu': " in out and "bound: O_DIRECT read rate" in out
+    assert list(nvme.iterdir()) == []
     # the offload path, on CPU parameters through the streaming machinery
-    out = _run_example(["examples/train_gpt.py", *small, "--async-step", "--simulate", "--plot", str(tmp_path / "b.png")])
+    out = _run_example(
+        ["examples/train_gpt.py", *small, "--async-step", "--simulate", "--plot", str(tmp_path / "b.png"), "--save", ""]
+    )
     assert "offload breakdown per step" in out and "loss curves agree" in out
 
 
@@ -100,7 +109,7 @@ def _tiny_checkpoint(where: Path) -> None:
 def test_generate_example_runs_and_matches_the_resident_model(tmp_path: Path) -> None:
     small = ["--tokens", "6"]
     out = _run_example(["examples/generate.py", "--layers", "2", "--d-model", "128", "--vocab", "500", "--prompt-len", "8", *small])
-    assert "simulated device" in out and "tokens identical" in out and "tokens/s" in out and "(random ids)" in out
+    assert "the real CPU path" in out and "tokens identical" in out and "tokens/s" in out and "(random ids)" in out
     # an HF folder with a tokenizer: text in, text out, the weights read from the checkpoint onto NVMe
     _tiny_checkpoint(tmp_path / "ckpt")
     nvme = tmp_path / "nvme"
@@ -110,7 +119,7 @@ def test_generate_example_runs_and_matches_the_resident_model(tmp_path: Path) ->
          "--storage", "nvme", "--nvme-dir", str(nvme), "--prefetch", "1"]  # fmt: skip
     )
     assert "(tokenized)" in out and "prompt 1x5 tokens" in out
-    assert "tokens identical" in out and "disk read" in out
+    assert "tokens identical" in out and "read from the SSD" in out
     assert "output: 'the capital of france is w" in out  # the prompt decoded, then the random model's words
     assert list(nvme.iterdir()) == []
 

@@ -225,14 +225,25 @@ def test_inference_gives_tokens_per_second_per_gpu_budget(capsys: pytest.Capture
     res = plan.choose_resident(blocks, int(21 * GiB), 2, 0)
     streamed = weights - layer * len(res)
     rec = out[out.index("Recommended"):]
-    assert f'gpu_budget_gb=21, storage="cpu": at most {25e9 / streamed:.2f} tokens/s at batch 1, bound by PCIe' in rec
-    assert "offload_adam.offload_weights(model, checkpoint=DIR, gpu_budget_gb=21)" in rec
+    # decode on the CPU from RAM (placement="auto"): the default 1-row rate, 30 GFLOP/s over 2 FLOPs
+    # per parameter, is under the host's 35 GB/s over the bytes, and beats PCIe's 25
+    assert f'gpu_budget_gb=21, storage="cpu": at most {30e9 / streamed:.2f} tokens/s at batch 1, bound by the CPU reading RAM' in rec
+    assert 'offload_adam.offload_weights(model, checkpoint=DIR, gpu_budget_gb=21, placement="auto")' in rec
+    assert f"{25e9 / streamed:.2f} (PCIe)" in out and f"{30e9 / streamed:.2f}" in out
     assert "4-bit weights" in rec
     ast.parse("\n".join(line[4:] for line in rec.splitlines() if line.startswith("    ")))
     # too little RAM for the streamed weights: on the SSD
     assert main(["--inference", "--params", "13B", "--gpu-gb", "24", "--host-gb", "4", "--nvme-gb", "100"]) == 0
     rec = capsys.readouterr().out.split("Recommended")[1]
     assert 'storage="nvme"' in rec and "bound by the SSD" in rec
+    # a faster slot: streaming wins, placement stays the default
+    assert main(["--inference", *CASE, "--pcie-gbs", "64"]) == 0
+    rec = capsys.readouterr().out.split("Recommended")[1]
+    assert f"at most {64e9 / streamed:.2f} tokens/s at batch 1, bound by PCIe" in rec and "placement" not in rec.split("code:")[1]
+    # no GPU room: the model on the CPU, from the SSD with a host budget
+    assert main(["--inference", "--params", "13B", "--gpu-gb", "0", "--host-gb", "16", "--nvme-gb", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "No GPU room" in out and 'device="cpu", storage="nvme"' in out and "bound by the SSD" in out
     # it fits whole
     assert main(["--inference", "--params", "7B", "--gpu-gb", "24", "--host-gb", "64"]) == 0
     assert "fits on the GPU whole" in capsys.readouterr().out

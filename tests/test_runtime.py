@@ -12,7 +12,8 @@ import torch
 
 from offload_adam import testing
 from offload_adam.runtime.device import device_for
-from offload_adam.runtime.pager import Family, Pager, RunDir, aligned_empty
+from offload_adam.runtime.pager import Family, Pager
+from offload_adam.runtime.pages import PageStore, aligned_empty
 from offload_adam.runtime.pinned import PinnedArena
 from offload_adam.runtime.schedule import SCHEDULE
 
@@ -180,7 +181,7 @@ def test_the_pager_pages_a_family_of_buffers_through_the_window(tmp_path: Any, b
     """Buffers it knows nothing about: each page is written back and given to the OS on release
     (its memory reads zeros), read back and checked on make_resident; pages in the host budget
     never leave RAM."""
-    run = RunDir(str(tmp_path))
+    run = PageStore(str(tmp_path))
     pager = Pager(run, host_budget_bytes=budget_pages * 2048 * 6, read_ahead=1, write_behind=1)
     fam, bufs = _family(pager)
     pages = pager.add_pages(fam, [(k * 2048, (k + 1) * 2048, f"page {k}") for k in range(4)], "the test data")
@@ -214,7 +215,7 @@ def test_the_pager_pages_a_family_of_buffers_through_the_window(tmp_path: Any, b
 
 
 def test_a_corrupted_page_names_its_file_and_what_it_holds(tmp_path: Any) -> None:
-    run = RunDir(str(tmp_path))
+    run = PageStore(str(tmp_path))
     pager = Pager(run, read_ahead=0, corrupt_hint="; do something")
     fam, bufs = _family(pager, 2048)
     (k,) = pager.add_pages(fam, [(0, 2048, "the test page")], "the test data")
@@ -222,7 +223,7 @@ def test_a_corrupted_page_names_its_file_and_what_it_holds(tmp_path: Any) -> Non
     bufs["a"].fill_(1.0)
     pager.release([k])
     pager.end_step()
-    with open(fam.files["a"][1], "r+b") as f:
+    with open(fam.files["a"].path, "r+b") as f:
         f.write(b"\x01\x02")
     with pytest.raises(OSError, match=r"f-a\.bin: the test page is corrupted \(checksum mismatch\); do something"):
         pager.make_resident([k])
@@ -230,9 +231,9 @@ def test_a_corrupted_page_names_its_file_and_what_it_holds(tmp_path: Any) -> Non
 
 
 def test_a_run_directory_checks_the_space_its_pages_need(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    import offload_adam.runtime.pager as pager_mod
+    import offload_adam.runtime.pages as pager_mod
 
-    run = RunDir(str(tmp_path))
+    run = PageStore(str(tmp_path))
     real = pager_mod.shutil.disk_usage
     monkeypatch.setattr(pager_mod.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))
     pager = Pager(run)
@@ -240,7 +241,7 @@ def test_a_run_directory_checks_the_space_its_pages_need(tmp_path: Any, monkeypa
     with pytest.raises(OSError, match=r"the test data needs 12288 bytes under .* which has 1000 free"):
         pager.add_pages(fam, [(0, 2048, "p")], "the test data")
     with pytest.raises(ValueError, match="nvme_dir: .* is not a directory"):
-        RunDir(str(tmp_path / "missing"))
+        PageStore(str(tmp_path / "missing"))
     run.close()
 
 

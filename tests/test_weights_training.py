@@ -428,3 +428,24 @@ def test_the_context_manager_around_training_hands_the_trained_model_back() -> N
             opt.step()
         opt.close()
         assert sim.violations == []
+
+
+def test_an_eval_call_on_the_cpu_right_after_an_async_step_reads_the_stepped_weights() -> None:
+    """Placement "cpu": an inference call runs a block from its host copy, which an async step
+    may still be writing; the call waits the block's fences first. The eval right after each
+    async step is bitwise the resident model's (trained the same way, synchronously)."""
+    data = batches(4, 7)
+    with testing.simulated_device(seed=7, max_delay_s=0.001) as sim:
+        model, ref, h = twins("llama", torch.float32, 7, prefetch=1, placement="cpu")
+        opt = offload_adam.AdamW(model.parameters(), lr=1e-2, async_step=True)
+        ropt = offload_adam.AdamW(ref.parameters(), lr=1e-2)
+        for x in data[:3]:
+            train(ref, ropt, [x])
+            train(model, opt, [x])
+            with torch.no_grad():
+                got, want = model(data[3]).logits, ref(data[3]).logits
+            assert torch.equal(got, want)
+        assert h.report()["calls"]["prompt"]["cpu"] > 0
+        opt.close()
+        h.close()
+        assert sim.violations == []

@@ -19,7 +19,7 @@ from importlib.metadata import PackageNotFoundError, version
 from . import _native
 from .activations import ActivationOffload, offload_activations
 from .optim.ddp import register_ddp_hook
-from .runtime.pager import remove_stale_runs, stale_runs
+from .runtime.pages import remove_stale_runs, stale_runs
 from .weights import WeightOffload, offload_weights
 from .optim.optimizer import Adam, AdamW
 from .optim.schema import dequantized

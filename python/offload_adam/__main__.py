@@ -10,6 +10,7 @@ import sys
 COMMANDS = {
     "plan": ("plan", "what fits a machine, how fast it steps, what it costs the machine and what to write (--inference: tokens/s)"),
     "env": ("env", "this machine as a bug report needs it: SIMD path, I/O backend, torch and CUDA, memlock, pinned memory"),
+    "calibrate": ("calibrate", "measures this machine's bandwidths and matmul rates for placement='auto' and plan"),
     "bench": ("bench", "the same-process benchmark against torch and the peers (--nvme, --weights, --fsdp2, ...)"),
 }
 

@@ -2,7 +2,9 @@
 //! the resync and store of a low-precision copy, the block loops over a chunk (a copy, a
 //! gradient in the copy's buffer, Kahan weights), and the gradient passes' blocks.
 
-use super::*;
+use super::segment::{nan_max, Consts, GradRef, OutMut, Segment, StateMut};
+use crate::elem::{Bf16, Elem, F16};
+use crate::isa::{Block, Isa, LANES};
 
 /// Block loads and stores through a path's conversion instructions.
 pub trait BlockIo: Elem {
@@ -468,4 +470,53 @@ pub(super) fn nonfinite_body<G: Elem>(g: &[G]) -> bool {
         }
     }
     gt.iter().any(|x| x.is_nonfinite())
+}
+
+/// Addresses of the next segment's streams, only ever prefetched (never dereferenced).
+#[derive(Default)]
+pub(super) struct Lookahead {
+    /// (start address, bytes per block) of each stream.
+    streams: [(usize, usize); 6],
+    count: usize,
+}
+
+impl Lookahead {
+    pub(super) fn of(s: Option<&Segment<'_>>) -> Lookahead {
+        let mut l = Lookahead::default();
+        let Some(s) = s else { return l };
+        let mut add = |addr: usize, elem: usize| {
+            l.streams[l.count] = (addr, elem * LANES);
+            l.count += 1;
+        };
+        add(s.param.as_ptr() as usize, 4);
+        match &s.grad {
+            GradRef::F32(x) => add(x.as_ptr() as usize, 4),
+            GradRef::Bf16(x) => add(x.as_ptr() as usize, 2),
+            GradRef::F16(x) => add(x.as_ptr() as usize, 2),
+            GradRef::InOut => match &s.out {
+                OutMut::Bf16(x) => add(x.as_ptr() as usize, 2),
+                OutMut::F16(x) => add(x.as_ptr() as usize, 2),
+                OutMut::None => {}
+            },
+        }
+        let mut state = |x: &StateMut<'_>| match x {
+            StateMut::F32(x) => add(x.as_ptr() as usize, 4),
+            StateMut::Bf16(x) => add(x.as_ptr() as usize, 2),
+            StateMut::Q8 { codes, .. } | StateMut::Fp8 { codes, .. } => add(codes.as_ptr() as usize, 1),
+        };
+        state(&s.exp_avg);
+        state(&s.exp_avg_sq);
+        if let Some(x) = &s.max_exp_avg_sq {
+            state(x);
+        }
+        l
+    }
+
+    /// Prefetches block `b` of every stream (past the segment's end is harmless: a hint).
+    #[inline(always)]
+    pub(super) fn prefetch<I: Isa>(&self, b: usize) {
+        for &(addr, bytes) in &self.streams[..self.count] {
+            I::prefetch(addr.wrapping_add(b * bytes) as *const u8);
+        }
+    }
 }

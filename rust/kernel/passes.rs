@@ -1,7 +1,13 @@
 //! The read-only gradient passes (squared norm, non-finite check) and host-side gradient
 //! accumulation.
 
-use super::*;
+use super::float::BlockIo;
+use super::path::{dispatch, Path, Visit};
+use super::segment::GradRef;
+use super::step::{for_each, map, Pool, CHUNK};
+use crate::elem::{Bf16, Elem, F16};
+use crate::error::{Error, Result};
+use crate::isa::Simd;
 
 /// Gradients cut into chunks of at most [`CHUNK`] elements (`InOut` has none to read).
 fn grad_chunks<'a>(grads: &[GradRef<'a>]) -> Vec<GradRef<'a>> {

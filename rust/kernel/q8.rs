@@ -19,7 +19,9 @@
 
 use std::sync::OnceLock;
 
-use super::{maps, nan_max, out_block, BlockIo, Consts, Kahan, OutMut, Q8Mut};
+use super::float::{kahan_add, out_block, BlockIo, PREFETCH_BLOCKS};
+use super::maps;
+use super::segment::{nan_max, Consts, Kahan, OutMut, Q8Mut};
 use crate::elem::Bf16;
 use crate::elem::Elem;
 use crate::isa::{Block, Generic, Isa, LANES};
@@ -545,7 +547,7 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, C: Codec, const AMS: bool>(
             // SAFETY: `b` < `full`, the blocks of every slice (the caller's lengths); the CPU
             // supports `I` (the caller's contract).
             unsafe {
-                let ahead = b + super::PREFETCH_BLOCKS;
+                let ahead = b + PREFETCH_BLOCKS;
                 if ahead < full {
                     I::prefetch(pb.as_ptr().wrapping_add(ahead) as *const u8);
                     I::prefetch(wb.as_ptr().wrapping_add(ahead) as *const u8);
@@ -588,7 +590,7 @@ pub(super) unsafe fn body<I: Isa, G: BlockIo, C: Codec, const AMS: bool>(
                     x.x[k * LANES..(k + 1) * LANES].copy_from_slice(&xn);
                 }
                 if kahan {
-                    super::kahan_add::<I>(wb.get_unchecked_mut(b), cb.get_unchecked_mut(b), &p0, &pk);
+                    kahan_add::<I>(wb.get_unchecked_mut(b), cb.get_unchecked_mut(b), &p0, &pk);
                 } else {
                     *pb.get_unchecked_mut(b) = pk;
                     out_block::<I, true>(pb.get_unchecked_mut(b), out, b);

@@ -1,7 +1,8 @@
 //! The specification: one element at a time, in torch's order of operations
 //! (`torch.optim.adam._single_tensor_adam`), no FMA.
 
-use super::*;
+use super::segment::{nan_max, Consts};
+use crate::elem::Elem;
 
 #[allow(clippy::too_many_arguments)]
 pub fn update<G: Elem, S: Elem, O: Elem>(

@@ -1,6 +1,11 @@
 //! The kernel's tests: every path against the specification, threads, tails, every mode.
 
-use super::*;
+use super::{
+    accumulate, adam_step, fp8, grad_sq_norm, grads_nonfinite, q8, Consts, GradRef, HostMut, Hyper, Kahan, OutMut,
+    Segment, StateMut, CHUNK,
+};
+use crate::elem::{Bf16, Elem, F16};
+use crate::isa::Simd;
 
 /// xorshift64*: deterministic test data without a dependency.
 struct Rng(u64);

@@ -20,8 +20,9 @@ comes back as the same view of the restored storage.
   it (what the backward needs next) are copied too, into buffers kept allocated until their copy
   has run (a graph dropped before its backward frees them early). A region is reused only after
   the copies that used it (its release carries their events: the next copy into it waits them).
-- **NVMe** (``storage="nvme"``): a region whose d2h copy has run is written to a file of a run
-  directory (I/O engine, ``O_DIRECT``) and released once written; a load reads it back into a
+- **NVMe** (``storage="nvme"``): a region whose d2h copy has run is written to a file of the
+  runtime's page store (``runtime/pages.py``: a run directory, ``O_DIRECT``, a CRC-32C per range
+  checked when it is read back, off this thread) and released once written; a load reads it back into a
   region (the host waits the read: ``io_wait_s``, and before it only the copies that used that
   region last), copies it up and releases that region after the copy. The file space of a freed
   storage is reused; the files go at ``close()``.
@@ -31,7 +32,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 import warnings
 import weakref
 from collections import deque
@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from ..runtime.device import Device, Meter, refuse_capture, stream_device
-from ..runtime.pager import ALIGN, RunDir
+from ..runtime.pages import ALIGN, IoStats, PageFile, PageStore, Transfer
 from ..runtime.pinned import FreeList, Region, align_up, slab_pool
 
 STORAGES = ("cpu", "nvme")
@@ -59,7 +59,7 @@ class _Item:
     probe: Any  # a weak reference to a tensor of the storage: the storage lives while it does
     region: Region | None = None  # its host region in the pool (NVMe: until written)
     file: tuple[int, int] | None = None  # NVMe: (segment, offset) of its bytes
-    writing: Any = None  # NVMe: the write's ticket
+    writing: Transfer | None = None  # NVMe: its write in flight
     refs: int = 0  # saved tensors packed from it and alive
     unpacked: int = 0
     dev: Tensor | None = None  # its bytes back on the device (uint8), until unpacked
@@ -91,9 +91,6 @@ class _Stats:
     deduplicated_tensors: int = 0
     loads: int = 0
     prefetched: int = 0
-    read_bytes: int = 0
-    write_bytes: int = 0
-    io_wait_s: float = 0.0
     inflight_peak_bytes: int = 0  # offloaded storages whose copy had not run yet, the most at once
     inflight_waits: int = 0  # host waits for copies, to stay under max_inflight_bytes
     stall_s: float = 0.0  # folded from the stall events whose both ends completed
@@ -120,10 +117,11 @@ class ActivationOffload:
         self.max_inflight_bytes = max_inflight_bytes
         self.meter = Meter()
         self.nvme_dir = nvme_dir
-        self.run: RunDir | None = None  # NVMe: made at the first offload, removed when nothing is saved
+        self.store: PageStore | None = None  # NVMe: made at the first offload, removed when nothing is saved
+        self.io = IoStats()  # its reads, writes and waits (every store's)
         # The device's pool, shared by every handle: a handle made each step pins nothing new.
         self.pool = slab_pool(device, ALIGN if storage == "nvme" else 512)
-        self.files: list[int] = []
+        self.files: list[PageFile] = []
         self.disk = FreeList(self._segment, ALIGN)
         self.lock = threading.RLock()
         self.items: dict[int, _Item] = {}  # saved and alive, in the order saved (by id)
@@ -175,10 +173,10 @@ class ActivationOffload:
     def _maybe_remove_files(self) -> None:
         """NVMe: once the context has ended and every saved tensor is gone (the backward has
         run), the run directory goes (a next forward makes a new one)."""
-        if self.run is not None and not self._hooks and not self.items:
+        if self.store is not None and not self._hooks and not self.items:
             self._write_behind(all_of_them=True)
-            self.run.close()
-            self.run, self.files, self.disk = None, [], FreeList(self._segment, ALIGN)
+            self.store.close()
+            self.store, self.files, self.disk = None, [], FreeList(self._segment, ALIGN)
 
     # -- out ------------------------------------------------------------------------------------
 
@@ -303,12 +301,13 @@ class ActivationOffload:
             if self.by_ptr.get(item.ptr) is item:
                 del self.by_ptr[item.ptr]
             if item.writing is not None:
-                self._wait(item.writing)
+                item.writing.wait()
                 item.writing = None
             if item in self.writes:
                 self.writes.remove(item)  # (a later d2h copy into the region follows its copy)
             self._release_region(item)
             if item.file is not None:
+                self.files[item.file[0]].forget(item.file[1])
                 self.disk.release(item.file[0], item.file[1], item.nbytes)
                 item.file = None
             self._maybe_remove_files()
@@ -317,17 +316,14 @@ class ActivationOffload:
 
     def _segment(self, size: int) -> tuple[int, int]:
         size = max(size, SEGMENT)
-        if self.run is None:
-            self.run = RunDir(self.nvme_dir)
-        self.run.check_space(size, "offload_activations(storage='nvme')")
-        fid, _ = self.run.open(f"activations-{len(self.files)}.bin", size)
-        self.files.append(fid)
+        if self.store is None:
+            self.store = PageStore(self.nvme_dir, stats=self.io)
+        self.files.append(self.store.open(f"activations-{len(self.files)}.bin", size, "offload_activations(storage='nvme')"))
         return len(self.files) - 1, size
 
-    def _wait(self, ticket: Any) -> None:
-        t0 = time.perf_counter()
-        ticket.wait()
-        self.stats.io_wait_s += time.perf_counter() - t0
+    @staticmethod
+    def _label(item: _Item) -> str:
+        return f"a saved storage of {item.nbytes} bytes"
 
     def _write_behind(self, all_of_them: bool = False) -> None:
         """Writes the regions whose d2h copy has run (all of them: waiting for the copies);
@@ -341,14 +337,12 @@ class ActivationOffload:
             host = item.region.host
             seg, off = self.disk.alloc(item.nbytes)
             item.file = (seg, off)
-            assert self.run is not None
             n = align_up(item.nbytes, ALIGN)
             region = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage(), host.storage_offset(), (n,), (1,))
-            item.writing = self.run.io.submit([(True, self.files[seg], region, off)])
-            self.stats.write_bytes += n
+            item.writing = self.files[seg].write(off, region, self._label(item))
         for item in self.items.values():
             if item.writing is not None and (all_of_them or item.writing.done()):
-                self._wait(item.writing)
+                item.writing.wait()
                 item.writing = None
                 if item.dev is None:
                     self._release_region(item)
@@ -357,12 +351,12 @@ class ActivationOffload:
         """The item's bytes in a host region: its own, or NVMe read back into a new one."""
         if item.region is not None:
             if item.writing is not None:
-                self._wait(item.writing)  # (the write reads the region; both may proceed, but
+                item.writing.wait()  # (the write reads the region; both may proceed, but
                 item.writing = None  # the region is then the item's until the h2d copy)
             if item in self.writes:
                 self.writes.remove(item)  # not written yet: brought back from its region
             return item.region.host
-        assert self.run is not None and item.file is not None
+        assert item.file is not None
         r = self.pool.alloc(item.nbytes)
         # The region may have been another's: the host writes it only after the copies that
         # used it last (their events, released with it), not after everything queued since.
@@ -370,8 +364,7 @@ class ActivationOffload:
             self.device.host_wait(e)
         n = align_up(item.nbytes, ALIGN)
         region = torch.empty(0, dtype=torch.uint8).set_(r.host.untyped_storage(), r.host.storage_offset(), (n,), (1,))
-        self._wait(self.run.io.submit([(False, self.files[item.file[0]], region, item.file[1])]))
-        self.stats.read_bytes += n
+        self.files[item.file[0]].read(item.file[1], region, self._label(item)).wait()
         item.region = r
         return r.host
 
@@ -444,6 +437,18 @@ class ActivationOffload:
                 self.stats.stall_s += t
         self.stalls = keep
 
+    def flush(self) -> None:
+        """``storage="nvme"``: writes every saved storage still in RAM to the SSD now (waiting
+        for its copy out) and waits for the writes, releasing their RAM: between a forward and a
+        late backward (an evaluation, a pause), the saved tensors then hold no RAM. Without it the
+        regions are written behind as the forward saves, and a region whose copy had not run by
+        the last save stays in RAM until it is unpacked."""
+        if self.storage != "nvme":
+            return
+        with self.lock:
+            if self.store is not None:
+                self._write_behind(all_of_them=True)
+
     def report(self) -> dict[str, Any]:
         """Since the handle was made (or :meth:`reset_stats`): ``offloaded_bytes`` and
         ``offloaded_tensors`` (storages copied out, each once), ``kept_bytes`` and
@@ -459,6 +464,7 @@ class ActivationOffload:
             self._fold(wait=True)
         st = self.stats
         out: dict[str, Any] = {f.name: getattr(st, f.name) for f in fields(st)}
+        out.update(read_bytes=int(self.io.read_bytes), write_bytes=int(self.io.write_bytes), io_wait_s=self.io.io_wait_s)
         out.update(host_pinned_bytes=self.pool.nbytes, gpu_peak_bytes=self.meter.peak, storage=self.storage)
         return out
 
@@ -467,6 +473,7 @@ class ActivationOffload:
         with self.lock:
             self.stalls = []
         self.stats = _Stats()
+        self.io.reset()
         self.meter.peak = self.meter.current
 
     def close(self) -> None:
@@ -480,9 +487,9 @@ class ActivationOffload:
         with self.lock:
             self._write_behind(all_of_them=True)
         self.device.drain()
-        if self.run is not None:
-            self.run.close()
-            self.run = None
+        if self.store is not None:
+            self.store.close()
+            self.store = None
         self.closed = True
 
     def __del__(self) -> None:

@@ -1,5 +1,14 @@
-"""The optimizer (``offload_adam.AdamW``/``Adam``): torch's public surface (``optimizer.py``), the
-state schema (``schema.py``: the moments declared once), a group's layout and buffers
-(``state.py``), where the state lives between steps (``tier.py``: RAM or NVMe), the gradients of
-offloaded groups (``grads.py``), the step (``engine.py``), the streaming checkpoint format
-(``checkpoint.py``) and the DDP hook (``ddp.py``)."""
+"""The optimizer (``offload_adam.AdamW``/``Adam``), in rooms that depend downward only:
+
+- ``optimizer.py``: torch's public surface, kept to bookkeeping as torch's ``Adam`` is; its state
+  import and export are the plain functions of ``state_io.py`` (``state_dict``, loads, the
+  take-over of state written by others, streaming checkpoints, copies), handed what they need;
+- ``ddp.py``: the DDP communication hook, over the engine's public streamed gradients;
+- ``engine.py``: the step (CPU groups in one native call, offloaded groups bucket by bucket);
+- ``waits.py``: async mode's forward waits, a subscriber of the module schedule;
+- ``grads.py``: the offloaded gradients' trip (hook, landing slot) and each ``Bucket``'s fences,
+  which only this file writes (the engine and the forward waits call its methods); the norm;
+- ``state.py`` (a group's layout, buffers and one ``Slot`` per parameter), ``tier.py`` (RAM or
+  NVMe), ``schema.py`` (the moments declared once), ``shards.py`` (DTensor shards),
+  ``hyper.py`` (the hyper-parameters' checks) and ``checkpoint.py`` (the streaming format).
+"""

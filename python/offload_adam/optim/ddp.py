@@ -24,6 +24,7 @@ class _HookState:
     def __init__(self, engine: Any, group: Any) -> None:
         self.engine = weakref.ref(engine)
         self.group = group
+        self.after_backward_queued = False
 
 
 def _hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -34,22 +35,49 @@ def _hook(state: _HookState, bucket: dist.GradBucket) -> torch.futures.Future[to
     engine = state.engine()
     if engine is None:  # the optimizer is gone: DDP's own all-reduce, nothing to land
         return fut.then(lambda f: f.value()[0])
-    engine.queue_after_backward()
+    _queue_after_backward(state)
 
     def land(f: torch.futures.Future[Any]) -> torch.Tensor:
         out = f.value()[0]
         e = state.engine()
-        if e is not None:
-            e.land_averaged(params, grads)
+        if e is not None and e.streamed is not None:
+            e.streamed.land_averaged(params, grads)  # a bucket of averaged gradients, copied once
         return out
 
     return fut.then(land)
 
 
+def _queue_after_backward(state: _HookState) -> None:
+    """From the communication hook (inside a backward): at the end of this backward, after DDP's
+    own end-of-backward work, note what ``.grad`` holds (``StreamedGrads.after_backward``)."""
+    if state.after_backward_queued:
+        return
+    state.after_backward_queued = True
+
+    def done() -> None:
+        state.after_backward_queued = False
+        e = state.engine()
+        if e is not None and e.streamed is not None:
+            e.streamed.after_backward()
+
+    def then_done() -> None:
+        # DDP queues its end-of-backward work when its last bucket is ready, after ours was
+        # queued: queued from here, `done` runs after it (callbacks queued by a callback run
+        # in the same backward, in order).
+        torch.autograd.Variable._execution_engine.queue_callback(done)  # type: ignore[attr-defined]
+
+    torch.autograd.Variable._execution_engine.queue_callback(then_done)  # type: ignore[attr-defined]
+
+
 def install(model: Any, engine: Any, process_group: Any = None) -> None:
     """The communication hook on ``model`` (a ``DistributedDataParallel``), landing its averaged
-    gradients in ``engine``'s host slots; DDP's own process group by default."""
-    engine.use_ddp_hook()
+    gradients in ``engine``'s host slots (its streamed gradients then come from the hook, not
+    from the post-accumulate hooks); DDP's own process group by default."""
+    if engine.streamed is None:
+        raise ValueError("register_ddp_hook: the optimizer has no offloaded (CUDA) parameters; DDP needs no hook for CPU ones")
+    if engine.free_gradients:
+        raise ValueError("register_ddp_hook: free_gradients=True is not supported under DDP (use free_gradients=False)")
+    engine.streamed.ddp = True
     group = process_group if process_group is not None else getattr(model, "process_group", None)
     model.register_comm_hook(_HookState(engine, group), _hook)
 

@@ -7,7 +7,9 @@ next forward needs them), buckets whose gradients have arrived batched into one 
     wait for the gradients ─► tier.make_resident ─► native step ─► queue the copy-back ─► tier.release
 
 synchronously in ``step()``, or (``async_step``) on a worker thread while the next forward
-runs: a forward pre-hook makes each module wait only for the buckets it reads.
+runs: the forward waits (``waits.py``) make each module wait only for the buckets it reads.
+The gradients and the fences of each bucket are ``grads.py``'s; the engine asks them to wait
+and tells them where the step is (:class:`~offload_adam.optim.grads.Bucket`).
 
 Everything device-specific goes through a :class:`~offload_adam.runtime.device.Device`; the engine
 holds no reference to the optimizer.
@@ -31,14 +33,12 @@ from .. import _native
 from ..runtime.device import Device, device_for
 from ..runtime.hosted import Home, claim, home_of, unclaim
 from ..runtime.pinned import PinnedArena
-from ..runtime.schedule import SCHEDULE, Subscription
-from .grads import Bucket, Rec, StreamedGrads, check_shard_grad
-from .state import GroupState, is_dtensor
+from .grads import Bucket, Rec, StreamedGrads, end_step, grad_sq_norm
+from .hyper import Hyper
+from .shards import check_local, grad_shard, local, local_shards
+from .state import GroupState
 from .tier import HostTier, Tier
-
-# A param group's hyper-parameters as the kernel takes them:
-# (lr, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize).
-Hyper = tuple[float, float, float, float, float, bool, bool, bool]
+from .waits import ForwardWaits
 
 
 @dataclass(frozen=True)
@@ -60,37 +60,38 @@ class _Failure:
     generation: int
 
 
-def _end_writes(work: list[tuple[Bucket, list[Rec]]]) -> None:
-    """Every bucket of a step finished (or abandoned): forwards and host-copy readers go on."""
-    for b, recs in work:
-        b.done.set()
-        for r in recs:
-            if r.home is not None:
-                r.home.end_write()
+def _device_for(dev: torch.device, gi: int, current: Device | None) -> Device | None:
+    """The device group ``gi``'s parameters stream through (None: host memory, stepped in
+    place); one per optimizer (``current``: the other groups')."""
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
+    device = device_for(dev)
+    if device is None or current is None or current is device:
+        return device
+    if dev.type == "cuda":
+        raise ValueError(
+            f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
+            f"{current.torch_device}; use one optimizer per GPU"
+        )
+    raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
 
 
-def _check_local(loc: Any, name: str) -> None:
-    if not isinstance(loc, Tensor) or type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__:
-        raise TypeError(f"{name}: the DTensor's local shard is a {type(loc).__name__}, not a plain tensor")
-
-
-def _local_shards(params: list[Tensor], names: list[str]) -> tuple[list[Tensor], list[Tensor] | None]:
-    """The tensors the kernel steps: a DTensor parameter's local shard (FSDP2 keeps its shard of
-    every parameter as one), others themselves; and the parameters as given (None if no
-    DTensor is among them)."""
-    if not any(is_dtensor(p) for p in params):
-        return params, None
-    out = []
-    for p, name in zip(params, names):
-        if is_dtensor(p):
-            if any(pl.is_partial() for pl in p.placements):  # type: ignore[attr-defined]
-                raise ValueError(f"{name}: a DTensor with a Partial placement has no values of its own to update")
-            loc = p._local_tensor  # type: ignore[attr-defined]
-            _check_local(loc, name)
-            out.append(loc)
-        else:
-            out.append(p)
-    return out, list(params)
+def _hosted_device(homes: list[Home | None], names: list[str], gi: int, current: Device | None) -> Device:
+    """The device of a group with parameters whose weights live in a host copy (streamed by
+    offload_weights): theirs, whatever the context; the group's other parameters must be on
+    it too (blocks kept resident)."""
+    device = next(h.device for h in homes if h is not None)
+    for h, name in zip(homes, names):
+        if h is not None and h.host is None:
+            raise ValueError(
+                f"{name}: its weights are streamed from NVMe (offload_weights(storage='nvme')), which keeps no "
+                "host copy for the step to write; train with offload_weights(storage='cpu')"
+            )
+        if h is not None and h.device is not device:
+            raise ValueError(f"param group {gi}: its weights are streamed to two devices")
+    if current is not None and current is not device:
+        raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
+    return device
 
 
 class Engine:
@@ -128,48 +129,10 @@ class Engine:
         self.stats: dict[str, float] = {}
         self._cur: dict[str, float] = {}
         self._backward_done: Any = None
-        self._after_backward_queued = False
         self._io_before: dict[str, float] = {}
-        # Forward waits (async mode): modules seen running, parameters each one reads.
-        self._called: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
-        self._reads: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
-        self._recorded = False
-        self._wait_cache: weakref.WeakKeyDictionary[torch.nn.Module, tuple[int, list[int]]] = weakref.WeakKeyDictionary()
-        self._schedule: Subscription | None = None
+        self.waits: ForwardWaits | None = None  # async mode, offloaded groups: the forward waits
 
     # -- groups ---------------------------------------------------------------------------------
-
-    def _device_for(self, dev: torch.device, gi: int) -> Device | None:
-        """The device group ``gi``'s parameters stream through (None: host memory, stepped in
-        place); one per optimizer."""
-        if dev.type not in ("cuda", "cpu"):
-            raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
-        device = device_for(dev)
-        if device is None or self.device is None or self.device is device:
-            return device
-        if dev.type == "cuda":
-            raise ValueError(
-                f"param group {gi}: is on {dev}, the optimizer's other offloaded parameters on "
-                f"{self.device.torch_device}; use one optimizer per GPU"
-            )
-        raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
-
-    def _hosted_device(self, homes: list[Home | None], names: list[str], gi: int) -> Device:
-        """The device of a group with parameters whose weights live in a host copy (streamed by
-        offload_weights): theirs, whatever the context; the group's other parameters must be on
-        it too (blocks kept resident)."""
-        device = next(h.device for h in homes if h is not None)
-        for h, name in zip(homes, names):
-            if h is not None and h.host is None:
-                raise ValueError(
-                    f"{name}: its weights are streamed from NVMe (offload_weights(storage='nvme')), which keeps no "
-                    "host copy for the step to write; train with offload_weights(storage='cpu')"
-                )
-            if h is not None and h.device is not device:
-                raise ValueError(f"param group {gi}: its weights are streamed to two devices")
-        if self.device is not None and self.device is not device:
-            raise ValueError(f"param group {gi}: streamed through another device than the optimizer's other groups")
-        return device
 
     def add_group(self, gi: int, params: list[Tensor], names: list[str], state_dtype: torch.dtype, amsgrad: bool) -> None:
         """Builds group ``gi``'s state; on error nothing changes."""
@@ -179,18 +142,18 @@ class Engine:
                 f"param group {gi} mixes devices {sorted(map(str, devices))}: put CPU and CUDA parameters in separate groups"
             )
         dev = next(iter(devices), torch.device("cpu"))
-        local, keys = _local_shards(params, names)
+        shards, keys = local_shards(params, names)
         if dev.type == "meta":
             # Built at the first step, once the parameters have storage (`to_empty()`).
             self.groups.append(None)
             self._deferred[gi] = (params, names, state_dtype, amsgrad)
             return
         homes = [home_of(p) for p in params]
-        device = self._hosted_device(homes, names, gi) if any(homes) else self._device_for(dev, gi)
+        device = _hosted_device(homes, names, gi, self.device) if any(homes) else _device_for(dev, gi, self.device)
         if device is not None and self.arena is None:
             self.arena = PinnedArena(device)
         group = GroupState(
-            local, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device,
+            shards, names, state_dtype=state_dtype, amsgrad=amsgrad, device=device,
             arena=self.arena if device is not None else None, bucket_bytes=self.bucket_bytes,
             page_align=self.tier.page_align, state_alloc=self.tier.state_alloc, keys=keys, master_dtype=self.master_dtype,
             homes=[h.host if h is not None else None for h in homes] if any(homes) else None,
@@ -211,7 +174,8 @@ class Engine:
             if self.streamed is None:
                 self.device = device
                 self.streamed = StreamedGrads(device, free_gradients=self.free_gradients, num_threads=self.num_threads)
-                self._subscribe()
+                if self.async_step:
+                    self.waits = ForwardWaits(self.streamed, device)
             self.streamed.add_group(gi, group)
 
     def materialize(self) -> None:
@@ -236,11 +200,10 @@ class Engine:
                 if r.home is not None:
                     r.home.writer = None
         for _, g in self.live_groups():
-            for k in g.keys:
-                unclaim(k)
-        if self._schedule is not None:
-            self._schedule.cancel()
-            self._schedule = None
+            for s in g.slots:
+                unclaim(s.key)
+        if self.waits is not None:
+            self.waits.close()
         self.tier.close()
 
     # -- the step -------------------------------------------------------------------------------
@@ -350,20 +313,17 @@ class Engine:
             for _, g in self.live_groups():
                 if g.streamed or not g.has_dtensor:
                     continue  # streamed shards: their gradients come through StreamedGrads
-                for i, k in enumerate(g.keys):
-                    if not g.dtensor[i]:
+                for i, s in enumerate(g.slots):
+                    if not s.dtensor:
                         continue
-                    loc = k._local_tensor  # type: ignore[attr-defined]
-                    if loc is not g.params[i]:
-                        _check_local(loc, g.names[i])
-                        g.params[i] = loc
+                    k = s.key
+                    loc = local(k)
+                    if loc is not s.param:
+                        check_local(loc, s.name)
+                        s.param = loc
                         g.native.replace_param(i, loc)
                     grad = k.grad
-                    if grad is not None:
-                        check_shard_grad(k, grad, g.names[i])
-                        loc.grad = grad._local_tensor  # type: ignore[attr-defined]
-                    else:
-                        loc.grad = None
+                    loc.grad = None if grad is None else grad_shard(k, grad, s.name)
                     bound.append(loc)
         except BaseException:
             for t in bound:
@@ -388,7 +348,7 @@ class Engine:
         first = [(b.gi, r.index) for b, recs in work for r in recs if counts[id(b.group)][r.index] == 0.0]
         self._tentative = list(first)
         for b, _ in work:
-            b.done.clear()
+            b.begin_step()
         self._cur = {"cpu_step_s": 0.0, "d2h_wait_s": 0.0, "h2d_issue_s": 0.0, "forward_wait_s": 0.0}
         self._cur.update(d2h_bytes=st.d2h_bytes, h2d_bytes=0)
         st.d2h_bytes = 0
@@ -396,11 +356,8 @@ class Engine:
         # Weights may be overwritten once the work queued so far (the backward that read them)
         # is done; the copy-back waits for this point only, not for a next forward.
         self._backward_done = dev.record_current()
-        # First step, a re-bound storage, or weights written since our copy-back (a checkpoint
-        # loaded into the model): the master takes the model's value (copied once its state is
-        # resident, see _step_batch).
-        for b, recs in work:
-            b.stale = [r for r in recs if r.home is None and r.param._version != r.param_version]
+        # (The masters to take from the model's weights, noted by `take`, are copied once their
+        # state is resident: see _step_batch.)
         # Host copies (streamed weights) this step rewrites: the streamer copies none of them to
         # the device until its bucket's kernel has run (end_write, in _step_batch).
         for _, recs in work:
@@ -425,11 +382,15 @@ class Engine:
         if self.async_step:
             self.in_flight = True
             self.worker = threading.Thread(target=self._run, args=args, name="offload-adam-step", daemon=True)
+            if self.waits is not None:
+                self.waits.arm(self._cur)
             try:
                 (self.hooks.start_worker or threading.Thread.start)(self.worker)
             except BaseException:
                 self.worker, self.in_flight = None, False
-                _end_writes(work)
+                if self.waits is not None:
+                    self.waits.disarm()
+                end_step(work)
                 st.give_back(work, st.generation)
                 raise
         else:
@@ -466,10 +427,10 @@ class Engine:
                     k += len(batch)
                 self.tier.end_step()
         except BaseException as e:  # raised to the caller by the next step()/synchronize()
-            # A bucket's `done` is set once its weights are on their way back.
-            self._failure = _Failure(e, [(b, recs) for b, recs in work if not b.done.is_set()], generation)
+            # A bucket is stepped once its weights are on their way back.
+            self._failure = _Failure(e, [(b, recs) for b, recs in work if not b.is_stepped()], generation)
         finally:
-            _end_writes(work)  # (a skipped or failed bucket's host copies are as they were)
+            end_step(work)  # (a skipped or failed bucket's host copies are as they were)
             self.in_flight = False
             self._cur.update(self._io_stats(self._io_before))
             self.stats = self._cur  # the last finished step's (a forward still waiting adds to it)
@@ -493,8 +454,7 @@ class Engine:
         size = work[k][0].nbytes
         for j in range(k + 1, len(work)):
             b, recs = work[j]
-            ready = all(dev.query(e) for e in (b.d2h_event, b.h2d_event, b.staged_event))
-            if b.gi != work[k][0].gi or size + b.nbytes > self.tier.batch_bytes or not ready:
+            if b.gi != work[k][0].gi or size + b.nbytes > self.tier.batch_bytes or not b.arrived(dev):
                 break
             if before is not None:
                 try:
@@ -513,21 +473,16 @@ class Engine:
         g = batch[0][0].group
         t0 = time.perf_counter()
         for b, _ in batch:
-            # The last copy-back read the masters and landing slots this step rewrites.
-            dev.host_wait(b.h2d_event)
-            dev.host_wait(b.d2h_event)
-            st.finish_staged(b)
+            st.wait_arrived(b)
         recs = [r for _, rs in batch for r in rs]
         slots = [r.index for r in recs]
         self.tier.make_resident(g, slots)
-        stale = [r for b, _ in batch for r in b.stale]
+        stale = [r for b, _ in batch for r in b.take_stale()]
         if stale:
             # The model's weights into the masters, on the side stream after the backward (not on
             # the legacy default stream of this thread).
             dev.stream_waits(dev.d2h, self._backward_done)
             dev.copy_blocking([(r.group.master_view(r.index), r.param.detach()) for r in stale], dev.d2h)
-            for b, _ in batch:
-                b.stale = []
         t1 = time.perf_counter()
         stepped = False
         try:
@@ -557,21 +512,17 @@ class Engine:
                         if back:
                             dev.copy(back, dev.h2d)
                             self._cur["h2d_bytes"] += sum(s.numel() * s.element_size() for _, s in back)
-                            b.h2d_event = dev.record(dev.h2d)
+                            b.copied_back(dev.record(dev.h2d))
                 for r in recs:
-                    if r.home is None:
-                        r.param_version = r.param._version
-                    else:
-                        r.home.end_write()  # the kernel wrote it
-            last = batch[-1][0].h2d_event
-            self.tier.release(g, slots, lambda: dev.host_wait(last))
+                    r.written()
+            self.tier.release(g, slots, batch[-1][0].copied_back_waiter(dev))
             t3 = time.perf_counter()
             self._cur["d2h_wait_s"] += t1 - t0
             self._cur["cpu_step_s"] += t2 - t1
             self._cur["h2d_issue_s"] += t3 - t2
             if stepped:
                 for b, _ in batch:
-                    b.done.set()
+                    b.stepped()
 
     def synchronize(self, raise_error: bool = True) -> None:
         """Waits for an async step to finish and makes the current stream wait for its copies;
@@ -580,9 +531,10 @@ class Engine:
         if w is not None:
             w.join()
             self.worker = None
-        if self.device is not None and self.streamed is not None:
-            for b in self.streamed.buckets:
-                self.device.current_waits(b.h2d_event)
+        if self.streamed is not None:
+            if self.waits is not None:
+                self.waits.disarm()
+            self.streamed.current_waits_copy_backs()
         f, self._failure = self._failure, None
         if f is not None and self.streamed is not None:
             self.streamed.give_back(f.work, f.generation)
@@ -605,19 +557,8 @@ class Engine:
         self._wait_copy_backs()
 
     def _wait_copy_backs(self) -> None:
-        if self.device is not None and self.streamed is not None:
-            for b in self.streamed.buckets:
-                self.device.host_wait(b.h2d_event)
-
-    def master_loaded(self, gi: int, i: int, *, from_checkpoint: bool) -> None:
-        """A checkpoint load wrote slot ``i`` of offloaded group ``gi``: with a master from the
-        checkpoint, that master is the truth and the model's weights are taken over only if they
-        are written after this point; without, the next step takes the model's weights."""
-        assert self.streamed is not None
-        g = self.groups[gi]
-        assert g is not None
-        r = self.streamed.by_param[id(g.params[i])]
-        r.param_version = r.param._version if from_checkpoint else -1
+        if self.streamed is not None:
+            self.streamed.wait_copy_backs()
 
     @contextlib.contextmanager
     def resident(self, only: tuple[GroupState, Sequence[int]] | None = None, write: bool = True) -> Iterator[None]:
@@ -635,43 +576,6 @@ class Engine:
             if only is None:
                 self.tier.end_step()
 
-    def use_ddp_hook(self) -> None:
-        """``register_ddp_hook``: gradients come averaged from DDP's communication hook
-        (:meth:`land_averaged`), not from the post-accumulate hooks."""
-        if self.streamed is None:
-            raise ValueError("register_ddp_hook: the optimizer has no offloaded (CUDA) parameters; DDP needs no hook for CPU ones")
-        if self.free_gradients:
-            raise ValueError("register_ddp_hook: free_gradients=True is not supported under DDP (use free_gradients=False)")
-        self.streamed.ddp = True
-
-    def land_averaged(self, params: list[Tensor], grads: list[Tensor]) -> None:
-        """From DDP's communication hook: a bucket of averaged gradients, copied once."""
-        assert self.streamed is not None
-        self.streamed.land_averaged(params, grads)
-
-    def queue_after_backward(self) -> None:
-        """From DDP's communication hook (inside a backward): at the end of this backward, after
-        DDP's own end-of-backward work, note what ``.grad`` holds."""
-        if self._after_backward_queued:
-            return
-        self._after_backward_queued = True
-        me = weakref.ref(self)
-
-        def done() -> None:
-            e = me()
-            if e is not None:
-                e._after_backward_queued = False
-                if e.streamed is not None:
-                    e.streamed.after_backward()
-
-        def then_done() -> None:
-            # DDP queues its end-of-backward work when its last bucket is ready, after ours was
-            # queued: queued from here, `done` runs after it (callbacks queued by a callback run
-            # in the same backward, in order).
-            torch.autograd.Variable._execution_engine.queue_callback(done)  # type: ignore[attr-defined]
-
-        torch.autograd.Variable._execution_engine.queue_callback(then_done)  # type: ignore[attr-defined]
-
     def discard_grads(self) -> None:
         self._direct_left = None
         if self.streamed is not None:
@@ -680,117 +584,8 @@ class Engine:
     # -- gradients ------------------------------------------------------------------------------
 
     def grad_sq_norm(self) -> float:
-        """Squared 2-norm of this step's gradients: CPU groups' ``.grad``, offloaded groups' host
-        copies; DTensor (FSDP2) gradients by their local shards, summed over the mesh."""
-        views: list[Tensor] = []
-        sharded: list[Tensor] = []
-        mesh: Any = None
-
-        def add_shard(k: Tensor, local: Tensor, name: str) -> None:
-            nonlocal mesh
-            if any(pl.is_shard() for pl in k.placements):  # type: ignore[attr-defined]
-                if k.device_mesh.ndim != 1 or (mesh is not None and k.device_mesh != mesh):  # type: ignore[attr-defined]
-                    raise NotImplementedError(f"{name}: clip_grad_norm_ over DTensors supports one 1-D mesh")
-                mesh = k.device_mesh  # type: ignore[attr-defined]
-                sharded.append(local)
-            else:  # replicated: every rank holds it whole, counted once
-                views.append(local)
-
-        for _, g in self.live_groups():
-            if g.streamed:
-                continue
-            views += [p.grad for p, d in zip(g.params, g.dtensor) if not d and p.grad is not None]
-            for k, d, name in zip(g.keys, g.dtensor, g.names):
-                if d and k.grad is not None:
-                    check_shard_grad(k, k.grad, name)
-                    add_shard(k, k.grad._local_tensor, name)  # type: ignore[attr-defined]
-        if self.streamed is not None:
-            self.synchronize()
-            self.streamed.check_params()
-            self.streamed.collect(False)
-            self.streamed.wait_all()
-            plain, shards = self.streamed.grad_views()
-            views += plain
-            for r in shards:
-                assert r.key is not None
-                add_shard(r.key, r.slot.view(-1), r.name)
-        flat = [v.view(torch.float32) if v.is_complex() else v for v in views]
-        total = _native.grad_sq_norm(flat, num_threads=self.num_threads)
-        if mesh is not None:
-            import torch.distributed as dist
-
-            part = torch.tensor([_native.grad_sq_norm(sharded, num_threads=self.num_threads)], dtype=torch.float64)
-            dist.all_reduce(part, group=mesh.get_group())
-            total += float(part)
-        return total
-
-    # -- forward waits (async mode), through the module schedule ---------------------------------
-
-    def _subscribe(self) -> None:
-        self._schedule = SCHEDULE.subscribe(self)
-        if self.async_step:
-            self._schedule.record_next()  # the reads of the first forward
-
-    # The schedule's subscriber interface (runtime/schedule.py).
-
-    def post_forward(self, module: torch.nn.Module) -> None:
-        pass
-
-    def read_key(self, t: Tensor) -> int | None:
-        r = self.streamed.by_param.get(id(t)) if self.streamed is not None else None
-        return None if r is None else r.bucket
-
-    def on_read(self, module: torch.nn.Module, key: Any) -> None:
-        self._reads.setdefault(module, set()).add(key)
-
-    def pass_ended(self, recorded: bool) -> None:
-        if recorded:
-            self._recorded = True
-            self._wait_cache = weakref.WeakKeyDictionary()
-
-    def _wait_buckets(self, module: torch.nn.Module) -> list[int]:
-        """Buckets a module's forward reads: its own parameters', those its code was seen to
-        read (a child's weight read without calling the child, or before calling it), and those
-        of submodules never called themselves, which have no pre-hook of their own. Before a
-        first forward was recorded: every bucket under the module."""
-        hit = self._wait_cache.get(module)
-        if hit is not None and hit[0] == len(self._called):
-            return hit[1]
-        st = self.streamed
-        assert st is not None
-        params = [p for p in module._parameters.values() if p is not None]
-        stack = [c for c in module._modules.values() if c is not None]
-        while stack:
-            c = stack.pop()
-            if c in self._called and self._recorded:
-                continue
-            params += [p for p in c._parameters.values() if p is not None]
-            stack += [m for m in c._modules.values() if m is not None]
-        buckets = {st.by_param[id(p)].bucket for p in params if id(p) in st.by_param}
-        buckets |= self._reads.get(module, set())
-        out = sorted(buckets)
-        self._wait_cache[module] = (len(self._called), out)
-        return out
-
-    def pre_forward(self, module: torch.nn.Module) -> None:
-        """Before a module's forward (async mode): waits for the buckets it reads."""
-        if self.async_step and module not in self._called:
-            self._called.add(module)
-        if not self.in_flight and self.worker is None:
-            return
-        st, dev = self.streamed, self.device
-        assert st is not None and dev is not None
-        t0 = time.perf_counter()
-        waited = False
-        for k in self._wait_buckets(module):
-            b = st.buckets[k]
-            if not b.done.is_set():
-                waited = True
-                with torch.profiler.record_function("offload_adam.forward_wait"):
-                    b.done.wait()
-            dev.current_waits(b.h2d_event)
-        if waited:
-            self._cur["forward_wait_s"] = self._cur.get("forward_wait_s", 0.0) + time.perf_counter() - t0
+        """Squared 2-norm of this step's gradients (see :func:`~offload_adam.optim.grads.grad_sq_norm`)."""
+        return grad_sq_norm([g for _, g in self.live_groups()], self.streamed, self.num_threads, self.synchronize)
 
     # -- reports --------------------------------------------------------------------------------
 

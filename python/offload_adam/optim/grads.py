@@ -31,24 +31,16 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from ..runtime.hosted import home_of
-from .state import GroupState, same_sharding
+from .shards import check_shard_grad, grad_shard, local
+from .state import GroupState, Slot
 
 
-def check_shard_grad(k: Tensor, grad: Tensor, name: str) -> None:
-    """A DTensor parameter's gradient must be a DTensor of its mesh and placements: its local
-    shard is what the kernel reads in place of the parameter's gradient."""
-    if not same_sharding(grad, k):
-        raise TypeError(
-            f"{name}: the gradient of a DTensor parameter must be a DTensor with its mesh and placements, "
-            f"got {type(grad).__name__}" + (f" with placements {grad.placements}" if hasattr(grad, "placements") else "")
-        )
-
-
-@dataclass
+@dataclass(eq=False)
 class Rec:
-    """One offloaded parameter."""
+    """One offloaded parameter: its slot in the group's state, and its gradient's trip. Its
+    per-step fields are written here only (the engine calls the methods)."""
 
-    param: Tensor
+    slot: Slot  # its place in the group's state (param, key, name, home's host copy, ...)
     group: GroupState
     gi: int  # its param group
     index: int  # its slot in the group
@@ -56,7 +48,7 @@ class Rec:
     dtype: torch.dtype  # its dtype when the group was built
     shape: torch.Size
     data_ptr: int  # the address of its storage when last bound
-    slot: Tensor  # its gradient's host landing slot, shaped like it
+    landing: Tensor  # its gradient's host landing slot, shaped like it
     copy_src: Tensor | None  # the host view its updated weights are copied back from (None: its home)
     nbytes: int  # its gradient's bytes
     hook: Any = None
@@ -66,18 +58,27 @@ class Rec:
     grad_ref: Any = None  # weak reference to the device gradient last copied (kept gradients)
     grad_version: int = -1
     param_version: int = -1  # the parameter's version after our last copy-back
-    key: Tensor | None = None  # a DTensor (FSDP2) whose local shard `param` is
     home: Any = None  # runtime.hosted.Home: its weights live in a host copy the step writes
     stage: bool = False  # its master is paged: copied into its landing slot (copy_src) after the step
 
     @property
+    def param(self) -> Tensor:
+        """What is streamed: the parameter, or a DTensor's local shard."""
+        return self.slot.param
+
+    @property
+    def key(self) -> Tensor | None:
+        """A DTensor (FSDP2) whose local shard :attr:`param` is."""
+        return self.slot.key if self.slot.dtensor else None
+
+    @property
     def name(self) -> str:
-        return self.group.names[self.index]
+        return self.slot.name
 
     @property
     def owner(self) -> Tensor:
         """The tensor autograd (or FSDP2) gives the gradient to: the DTensor, or the parameter."""
-        return self.key if self.key is not None else self.param
+        return self.slot.key
 
     def grad(self) -> Tensor | None:
         """The gradient to copy: ``.grad``, or the local shard of a DTensor's."""
@@ -85,15 +86,27 @@ class Rec:
         if self.key is None or g is None:
             return g
         try:
-            check_shard_grad(self.key, g, self.name)
+            return grad_shard(self.key, g, self.name)
         except TypeError:
             return None  # not a shard of ours: check_params refuses it at the step
-        return g._local_tensor  # type: ignore[attr-defined, no-any-return]
+
+    def written(self) -> None:
+        """The step wrote this parameter's weights: their copy back is queued (the parameter's
+        version as of now holds our weights), or its home's host copy is written (its fence
+        goes up: the streamer may copy it)."""
+        if self.home is None:
+            self.param_version = self.param._version
+        else:
+            self.home.end_write()
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
-    """Consecutive parameters of one group, up to ``bucket_bytes`` of gradient."""
+    """Consecutive parameters of one group, up to ``bucket_bytes`` of gradient, and the fences
+    between their gradients' copies, their step and their weights' copies back. Only this file
+    writes them: the engine calls :meth:`begin_step`, :meth:`copied_back` and :meth:`stepped`;
+    the gradient copies wait with :meth:`wait_landing_free`, forwards with
+    :meth:`wait_stepped`."""
 
     group: GroupState
     gi: int
@@ -108,7 +121,71 @@ class Bucket:
     stale: list[Rec] = field(default_factory=list)  # masters to take from the model's weights
     staged: list[tuple[Rec, Tensor]] = field(default_factory=list)  # host adds still to do
     staged_event: Any = None
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # clear while a step works on it
+
+    # -- the step's side ------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A step takes this bucket: forwards and new gradient copies wait for it."""
+        self.done.clear()
+
+    def copied_back(self, event: Any) -> None:
+        """Its updated weights are queued back to the device; ``event`` marks their copy."""
+        self.h2d_event = event
+
+    def stepped(self) -> None:
+        """Its step is over (updated, or given up): forwards and gradient copies go on."""
+        self.done.set()
+
+    def is_stepped(self) -> bool:
+        """Whether no step works on it (its weights, if a step took it, are on their way back)."""
+        return self.done.is_set()
+
+    def take_stale(self) -> list[Rec]:
+        """The parameters whose master the step takes from the model's weights (once)."""
+        stale, self.stale = self.stale, []
+        return stale
+
+    def arrived(self, dev: Device) -> bool:
+        """Whether everything its step waits for has happened (no wait needed)."""
+        return all(dev.query(e) for e in (self.d2h_event, self.h2d_event, self.staged_event))
+
+    def wait_copied_back(self, dev: Device) -> None:
+        """The host waits its last copy-back, which reads the masters and landing slots."""
+        dev.host_wait(self.h2d_event)
+
+    def copied_back_waiter(self, dev: Device) -> Callable[[], None]:
+        """A wait for its copy-back as of now (later ones not included), for the tier to call
+        before it rewrites the pages that copy reads."""
+        event = self.h2d_event
+        return lambda: dev.host_wait(event)
+
+    # -- the readers' side ----------------------------------------------------------------------
+
+    def wait_landing_free(self, dev: Device) -> None:
+        """Before new gradients are copied into its landing slots: a step working on them has
+        ended (the host waits), and the copies wait its last copy-back (the d2h stream)."""
+        self.done.wait()
+        dev.stream_waits(dev.d2h, self.h2d_event)
+
+    def wait_stepped(self, dev: Device) -> bool:
+        """Before a forward reads its weights: the host waits its step, the current stream its
+        copy-back. Returns whether the host had to wait."""
+        waited = not self.done.is_set()
+        if waited:
+            with torch.profiler.record_function("offload_adam.forward_wait"):
+                self.done.wait()
+        dev.current_waits(self.h2d_event)
+        return waited
+
+
+def end_step(work: list[tuple[Bucket, list[Rec]]]) -> None:
+    """Every bucket of a step finished (or abandoned): forwards and host-copy readers go on."""
+    for b, recs in work:
+        b.stepped()
+        for r in recs:
+            if r.home is not None:
+                r.home.end_write()
 
 
 class StreamedGrads:
@@ -141,10 +218,10 @@ class StreamedGrads:
         for rng in group.buckets:
             recs = []
             for i in rng:
-                p = group.params[i]
-                r = Rec(p, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), p.numel() * p.element_size())
-                r.key = group.keys[i] if group.dtensor[i] else None
-                r.home = home_of(p) if group.homes[i] is not None else None
+                s = group.slots[i]
+                p = s.param
+                r = Rec(s, group, gi, i, len(self.buckets), p.dtype, p.shape, p.data_ptr(), group.grad_slot(i), group.copy_src(i), p.numel() * p.element_size())
+                r.home = home_of(p) if s.home is not None else None
                 r.stage = group.stages_copyback(i)
                 r.hook = r.owner.register_post_accumulate_grad_hook(self._hook)
                 self.recs.append(r)
@@ -182,13 +259,12 @@ class StreamedGrads:
         if not pend:
             return
         dev = self.device
-        # An async step still working on this bucket reads its landing slots: new gradients wait
-        # for it (only gradients made without a forward, which waits for it first, get here).
-        b.done.wait()
-        # The copies follow the gradients' producers (backward, on the current stream), and the
-        # last copy-back of this bucket, which reads the landing slots they overwrite.
+        # The copies follow the gradients' producers (backward, on the current stream); an async
+        # step still working on this bucket reads its landing slots: new gradients wait for it
+        # (only gradients made without a forward, which waits for it first, get here), and for
+        # its last copy-back, which reads the landing slots they overwrite.
         dev.stream_waits(dev.d2h, dev.record_current())
-        dev.stream_waits(dev.d2h, b.h2d_event)
+        b.wait_landing_free(dev)
         self.finish_staged(b)
         pairs: list[tuple[Tensor, Tensor]] = []
         staged: list[tuple[Rec, Tensor]] = []
@@ -200,7 +276,7 @@ class StreamedGrads:
                 staged.append((r, st))
                 pairs.append((st, g))
             else:
-                pairs.append((r.slot, g))
+                pairs.append((r.landing, g))
         with torch.profiler.record_function("offload_adam.d2h"):
             dev.copy(pairs, dev.d2h)
         self.d2h_bytes += sum(g.numel() * g.element_size() for _, g in pairs)
@@ -228,7 +304,7 @@ class StreamedGrads:
         touched: dict[int, Bucket] = {}
         for p, g in zip(params, grads):
             r = self.by_param.get(id(p))
-            if r is None or g.dtype != r.dtype or g.numel() != r.slot.numel():
+            if r is None or g.dtype != r.dtype or g.numel() != r.landing.numel():
                 continue
             r.pending, r.accumulate = g.view(r.shape), False
             self._landed.append(r)
@@ -254,7 +330,7 @@ class StreamedGrads:
             return
         self.device.host_wait(b.staged_event)
         for r, st in b.staged:
-            _native.grad_accumulate(r.slot, st, num_threads=self.num_threads)
+            _native.grad_accumulate(r.landing, st, num_threads=self.num_threads)
         b.staged, b.staged_event = [], None
 
     # -- before a step --------------------------------------------------------------------------
@@ -267,9 +343,9 @@ class StreamedGrads:
         new storage at the step, the old storage is never written again."""
         rebound = []
         for r in self.recs:
-            if r.key is not None and r.key._local_tensor is not r.param:  # type: ignore[attr-defined]
+            if r.key is not None and local(r.key) is not r.param:
                 # FSDP2 replaced the DTensor's local tensor object: follow it (checked below)
-                r.param = r.group.params[r.index] = r.key._local_tensor  # type: ignore[attr-defined]
+                r.slot.param = local(r.key)
             if r.key is not None and r.key.grad is not None:
                 check_shard_grad(r.key, r.key.grad, r.name)
             p = r.param
@@ -335,7 +411,9 @@ class StreamedGrads:
 
     def take(self) -> list[tuple[Bucket, list[Rec]]]:
         """The buckets with gradients, and their parameters that have one; from here the hooks
-        (a next backward, while an async step runs) may mark new ones."""
+        (a next backward, while an async step runs) may mark new ones. Notes the masters the
+        step takes from the model's weights: first step, a re-bound storage, or weights written
+        since our copy-back (a checkpoint loaded into the model)."""
         work = []
         for b in self.buckets:
             recs = [r for r in b.recs if r.has_grad]
@@ -345,6 +423,7 @@ class StreamedGrads:
             b.expected = len(recs)
             for r in recs:
                 r.has_grad = False
+            b.stale = [r for r in recs if r.home is None and r.param._version != r.param_version]
         return work
 
     def give_back(self, work: list[tuple[Bucket, list[Rec]]], generation: int) -> None:
@@ -357,6 +436,13 @@ class StreamedGrads:
                 if r.pending is None:
                     r.has_grad = True
 
+    def wait_arrived(self, b: Bucket) -> None:
+        """Before bucket ``b``'s step: the host waits its last copy-back (it read the masters and
+        landing slots the step rewrites) and its gradients' arrival, then adds staged ones."""
+        b.wait_copied_back(self.device)
+        self.device.host_wait(b.d2h_event)
+        self.finish_staged(b)
+
     def wait_all(self) -> None:
         for b in self.buckets:
             self.device.host_wait(b.d2h_event)
@@ -365,5 +451,73 @@ class StreamedGrads:
     def grad_views(self) -> tuple[list[Tensor], list[Rec]]:
         """Host copies of this step's gradients (after :meth:`wait_all`): those of plain
         parameters, and the records of DTensor shards (whose squares are summed over a mesh)."""
-        plain = [r.slot.view(-1) for r in self.recs if r.has_grad and r.key is None]
+        plain = [r.landing.view(-1) for r in self.recs if r.has_grad and r.key is None]
         return plain, [r for r in self.recs if r.has_grad and r.key is not None]
+
+    # -- the weights' side ----------------------------------------------------------------------
+
+    def master_loaded(self, param: Tensor, *, from_checkpoint: bool) -> None:
+        """A checkpoint load wrote ``param``'s state: with a master from the checkpoint, that
+        master is the truth and the model's weights are taken over only if they are written
+        after this point; without, the next step takes the model's weights."""
+        r = self.by_param[id(param)]
+        r.param_version = r.param._version if from_checkpoint else -1
+
+    def current_waits_copy_backs(self) -> None:
+        """The current stream waits every bucket's last copy-back (later work reads the weights)."""
+        for b in self.buckets:
+            self.device.current_waits(b.h2d_event)
+
+    def wait_copy_backs(self) -> None:
+        """The host waits every bucket's last copy-back (before it rewrites what they read)."""
+        for b in self.buckets:
+            b.wait_copied_back(self.device)
+
+
+# -- the gradients' norm --------------------------------------------------------------------------
+
+
+def grad_sq_norm(groups: list[GroupState], streamed: StreamedGrads | None, num_threads: int, settle: Callable[[], None]) -> float:
+    """Squared 2-norm of this step's gradients: CPU groups' ``.grad``, offloaded groups' host
+    copies (read after ``settle()``, which ends a running step); DTensor (FSDP2) gradients by
+    their local shards, summed over the mesh."""
+    views: list[Tensor] = []
+    sharded: list[Tensor] = []
+    mesh: Any = None
+
+    def add_shard(k: Tensor, shard: Tensor, name: str) -> None:
+        nonlocal mesh
+        if any(pl.is_shard() for pl in k.placements):  # type: ignore[attr-defined]
+            if k.device_mesh.ndim != 1 or (mesh is not None and k.device_mesh != mesh):  # type: ignore[attr-defined]
+                raise NotImplementedError(f"{name}: clip_grad_norm_ over DTensors supports one 1-D mesh")
+            mesh = k.device_mesh  # type: ignore[attr-defined]
+            sharded.append(shard)
+        else:  # replicated: every rank holds it whole, counted once
+            views.append(shard)
+
+    for g in groups:
+        if g.streamed:
+            continue
+        views += [s.param.grad for s in g.slots if not s.dtensor and s.param.grad is not None]
+        for s in g.slots:
+            if s.dtensor and s.key.grad is not None:
+                add_shard(s.key, grad_shard(s.key, s.key.grad, s.name), s.name)
+    if streamed is not None:
+        settle()
+        streamed.check_params()
+        streamed.collect(False)
+        streamed.wait_all()
+        plain, shards = streamed.grad_views()
+        views += plain
+        for r in shards:
+            assert r.key is not None
+            add_shard(r.key, r.landing.view(-1), r.name)
+    flat = [v.view(torch.float32) if v.is_complex() else v for v in views]
+    total = _native.grad_sq_norm(flat, num_threads=num_threads)
+    if mesh is not None:
+        import torch.distributed as dist
+
+        part = torch.tensor([_native.grad_sq_norm(sharded, num_threads=num_threads)], dtype=torch.float64)
+        dist.all_reduce(part, group=mesh.get_group())
+        total += float(part)
+    return total

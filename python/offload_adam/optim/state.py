@@ -10,7 +10,6 @@ the state lives between steps is the tier's business (``tier.py``).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,26 +20,14 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from ..runtime.pinned import PinnedArena
-from .schema import BYTE_STATES, COMP_KEY, MASTER_KEY, MIN_NUMEL, MOMENT, QBLOCK, Codec, buffer_dtype, codec_for, is_dense, moments, view
+from .schema import BYTE_STATES, COMP_KEY, MASTER_KEY, MOMENT, Codec, buffer_dtype, codec_for, is_dense, moments, view
+from .shards import as_dtensor, row_blocks
 
 # Gradient landing buffers, by gradient dtype (the native layer's kinds 0, 1, 2).
 KINDS = (torch.float32, torch.bfloat16, torch.float16)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 SLOT_ALIGN = _native.LANES  # slots start on a SIMD block boundary
 _MOMENT_ALIGN = 64  # bytes: each slot of uint8 moment buffers starts on a cache line
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (FSDP2's parameters), without importing torch.distributed."""
-    return type(t).__name__ == "DTensor" and hasattr(t, "_local_tensor")
-
-
-def same_sharding(t: Any, key: Tensor) -> bool:
-    """Whether ``t`` is a DTensor of the DTensor parameter ``key``'s mesh and placements, so that
-    its local shard lines up with ``key``'s."""
-    return (
-        is_dtensor(t) and is_dtensor(key) and t.placements == key.placements and t.device_mesh == key.device_mesh  # type: ignore[attr-defined]
-    )
 
 
 def _aligned(n: int) -> int:
@@ -85,25 +72,6 @@ class Layout:
         if streamed:
             n += sum(c * torch.empty((), dtype=KINDS[k]).element_size() for k, c in enumerate(self.landing) if c is not None)
         return n
-
-
-def row_blocks(k: Tensor) -> bool:
-    """Whether a DTensor parameter's shards all get 8-bit moments, with their blocks along whole
-    rows: FSDP2's ``Shard(0)`` on one mesh dimension, rows of whole blocks of 256, and every
-    rank's shard (``torch.chunk`` of the rows) at least ``MIN_NUMEL`` elements. Every rank then
-    agrees on the codec (from the global shape alone), a block never straddles a shard, and the
-    absmax shards as the parameter's rows do (``(rows, row // 256)``)."""
-    from torch.distributed.tensor import Shard
-
-    pl = k.placements  # type: ignore[attr-defined]
-    if k.ndim < 2 or len(pl) != 1 or pl[0] != Shard(0):
-        return False
-    row = math.prod(k.shape[1:])
-    if row % QBLOCK:
-        return False
-    world, rows = k.device_mesh.size(), k.shape[0]  # type: ignore[attr-defined]
-    per = -(-rows // world)
-    return all(max(0, min(rows, (r + 1) * per) - r * per) * row >= MIN_NUMEL for r in range(world))
 
 
 def layout(
@@ -154,6 +122,32 @@ def layout(
     return Layout(lens, buckets, offsets, total, slots, landing, buffer_dtype(state_dtype), codecs, moff, mtotal)
 
 
+@dataclass(eq=False)
+class Slot:
+    """One parameter of a group: where its state sits (the Rust layout's ``Slot``: its first
+    element in the state buffers, its length, its gradient's landing slot) and what the Python
+    side keeps of it. The group's :attr:`GroupState.slots` are in parameter order; the native
+    set and the engine name a slot by its index there."""
+
+    param: Tensor  # what the kernel steps: the parameter, or a DTensor's local shard
+    key: Tensor  # what the optimizer's groups and `state` hold: the parameter, or the DTensor
+    name: str  # for errors: "parameter 'w' of param group 0 (shape ..., dtype)"
+    home: Tensor | None  # its weights' host copy, written in place (streamed by offload_weights)
+    stand_in: Tensor | None  # a CPU parameter not dense in memory: its contiguous copy (see stand_in)
+    stand_version: int  # the parameter's version when the stand-in last matched it
+    kahan: bool  # bfloat16 weights updated in place with Kahan compensation, no fp32 master
+    codec: Codec  # how its moments are stored (see schema.py)
+    offset: int  # its first element in the state buffers (masters, float moments)
+    moment_offset: int  # its first element in the moment buffers (their own layout in bytes)
+    len: int  # its elements (a complex parameter: twice its numel)
+    landing: tuple[int, int] | None  # offloaded: (landing buffer, first element)
+
+    @property
+    def dtensor(self) -> bool:
+        """A DTensor parameter (FSDP2), stepped through its local shard."""
+        return self.key is not self.param
+
+
 class GroupState:
     """One param group's layout, flat host buffers, native state set and state views.
 
@@ -165,6 +159,7 @@ class GroupState:
     a home (``homes[i]``: its host copy, the truth of a parameter whose weights are streamed to
     the device) is written in place into it instead (a float32 home is its own master; a
     bfloat16/float16 one gets the rounded weights in the same pass): nothing is copied back.
+    Each parameter is a :class:`Slot` of :attr:`slots`.
     """
 
     def __init__(
@@ -183,37 +178,50 @@ class GroupState:
         homes: list[Tensor | None] | None = None,
         master_dtype: torch.dtype = torch.float32,
     ) -> None:
-        self.params = list(params)
+        params = list(params)
         # What the optimizer's param groups and `state` hold: the parameters themselves, or for a
         # DTensor (FSDP2) the DTensor whose local shard `params[i]` is.
-        self.keys = list(keys) if keys is not None else self.params
-        self.dtensor = [k is not p for k, p in zip(self.keys, self.params)]
-        self.has_dtensor = keys is not None  # known once: the step checks it per group
-        self.names = names
+        keys = list(keys) if keys is not None else params
+        self.has_dtensor = keys is not params  # known once: the step checks it per group
         self.device = device
         self.streamed = device is not None
-        self.homes: list[Tensor | None] = list(homes) if homes is not None else [None] * len(params)
+        homes = list(homes) if homes is not None else [None] * len(params)
         if self.streamed:
-            for p, name, home in zip(params, names, self.homes):
+            for p, name, home in zip(params, names, homes):
                 if p.dtype not in KINDS:
                     raise TypeError(f"{name}: dtype {p.dtype} cannot be offloaded (float32, bfloat16, float16)")
                 if home is None and not p.is_contiguous():
                     raise ValueError(f"{name}: an offloaded parameter must be contiguous")
         # CPU parameters not dense in memory: the kernel steps a contiguous stand-in (see stand_in).
-        self.stand_ins: list[Tensor | None] = [None] * len(params)
-        self.stand_versions: list[int] = [0] * len(params)
+        stand_ins: list[Tensor | None] = [None] * len(params)
         if not self.streamed:
-            self.stand_ins = [stand_in(p, name) for p, name in zip(params, names)]
-            self.stand_versions = [p._version for p in params]
-        self.stand_slots = [i for i, d in enumerate(self.stand_ins) if d is not None]  # the step visits only these
+            stand_ins = [stand_in(p, name) for p, name in zip(params, names)]
         # A DTensor's shard gets 8-bit moments only where every rank's does (see row_blocks).
-        unquantized = {i for i, (k, d) in enumerate(zip(self.keys, self.dtensor)) if d and not row_blocks(k)}
+        unquantized = {i for i, (k, p) in enumerate(zip(keys, params)) if k is not p and not row_blocks(k)}
         lay = layout(
             [(p.numel(), p.dtype) for p in params], bucket_bytes=bucket_bytes, page_align=page_align,
             state_dtype=state_dtype, unquantized=unquantized,
         )  # fmt: skip
-        self.lens, self.buckets, self.offsets, self.total = lay.lens, lay.buckets, lay.offsets, lay.total
-        self.codecs, self.moment_offsets = lay.codecs, lay.moment_offsets
+        self.buckets, self.total = lay.buckets, lay.total
+        # bfloat16 weights without a master (master_dtype=torch.bfloat16): updated in place
+        # (CPU parameters, or a home's host copy) with Kahan compensation.
+        if master_dtype == torch.bfloat16 and self.streamed:
+            for p, name, h in zip(params, names, homes):
+                if p.dtype == torch.bfloat16 and h is None:
+                    raise ValueError(
+                        f"{name}: master_dtype=torch.bfloat16 needs the weights on the host to update them in place: "
+                        "CPU parameters, or weights streamed by offload_weights; an offloaded parameter keeps an fp32 master"
+                    )
+        self.slots = [
+            Slot(
+                param=p, key=k, name=name, home=h, stand_in=d, stand_version=p._version if not self.streamed else 0,
+                kahan=master_dtype == torch.bfloat16 and p.dtype == torch.bfloat16 and (not self.streamed or h is not None),
+                codec=lay.codecs[i], offset=lay.offsets[i], moment_offset=lay.moment_offsets[i], len=lay.lens[i],
+                landing=lay.landing_slots[i] if self.streamed else None,
+            )
+            for i, (p, k, name, h, d) in enumerate(zip(params, keys, names, homes, stand_ins))
+        ]  # fmt: skip
+        self.stand_slots = [i for i, d in enumerate(stand_ins) if d is not None]  # the step visits only these
         alloc: Callable[[int, torch.dtype], Tensor] = (
             arena.alloc if arena is not None else (lambda n, dt: torch.zeros(n, dtype=dt))
         )
@@ -224,45 +232,35 @@ class GroupState:
         self.exp_avg = self._state_alloc(lay.moment_total, lay.state_dtype)
         self.exp_avg_sq = self._state_alloc(lay.moment_total, lay.state_dtype)
         self.max_exp_avg_sq = self._state_alloc(lay.moment_total, lay.state_dtype) if amsgrad else None
-        # bfloat16 weights without a master (master_dtype=torch.bfloat16): updated in place
-        # (CPU parameters, or a home's host copy) with Kahan compensation.
-        self.kahan = [
-            master_dtype == torch.bfloat16 and p.dtype == torch.bfloat16 and (not self.streamed or h is not None)
-            for p, h in zip(params, self.homes)
-        ]
-        if master_dtype == torch.bfloat16 and self.streamed:
-            for p, name, h in zip(params, names, self.homes):
-                if p.dtype == torch.bfloat16 and h is None:
-                    raise ValueError(
-                        f"{name}: master_dtype=torch.bfloat16 needs the weights on the host to update them in place: "
-                        "CPU parameters, or weights streamed by offload_weights; an offloaded parameter keeps an fp32 master"
-                    )
-        needs_master = [self.streamed or p.dtype in LOW_PRECISION for p in params]
-        need = any(m and not k for m, k in zip(needs_master, self.kahan))
+        need = any((self.streamed or s.param.dtype in LOW_PRECISION) and not s.kahan for s in self.slots)
         self.master = self._state_alloc(self.total, torch.float32) if need else None
-        self.comp = self._state_alloc(self.total, torch.bfloat16) if any(self.kahan) else None  # zeros (paged: read as zeros)
+        self.comp = self._state_alloc(self.total, torch.bfloat16) if any(s.kahan for s in self.slots) else None  # zeros (paged: read as zeros)
         in_bytes = state_dtype in BYTE_STATES
-        slots = [(o, c.native) for o, c in zip(self.moment_offsets, self.codecs)] if in_bytes else None
+        moment_slots = [(s.moment_offset, s.codec.native) for s in self.slots] if in_bytes else None
         self.steps = torch.zeros(len(params), dtype=torch.float32)
         self.landing: list[Tensor | None] = [None] * len(KINDS)
-        self.landing_slots: list[tuple[int, int]] = []
+        lens, offsets = [s.len for s in self.slots], [s.offset for s in self.slots]
         if self.streamed:
-            self.landing_slots = lay.landing_slots
             self.landing = [alloc(n, KINDS[k]) if n is not None else None for k, n in enumerate(lay.landing)]
             self.native = _native.StateSet(
-                self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
-                self.max_exp_avg_sq, landing=self.landing, landing_slots=self.landing_slots,
-                params=self.homes if any(h is not None for h in self.homes) else None, moments=slots, comp=self.comp,
+                lens, offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
+                self.max_exp_avg_sq, landing=self.landing, landing_slots=lay.landing_slots,
+                params=homes if any(h is not None for h in homes) else None, moments=moment_slots, comp=self.comp,
             )  # fmt: skip
         else:
             self.native = _native.StateSet(
-                self.lens, self.offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
-                self.max_exp_avg_sq, params=[d if d is not None else p for p, d in zip(self.params, self.stand_ins)],
-                moments=slots, comp=self.comp,
+                lens, offsets, names, self.exp_avg, self.exp_avg_sq, self.steps, self.master,
+                self.max_exp_avg_sq, params=[d if d is not None else p for p, d in zip(params, stand_ins)],
+                moments=moment_slots, comp=self.comp,
             )  # fmt: skip
 
     def __len__(self) -> int:
-        return len(self.params)
+        return len(self.slots)
+
+    @property
+    def names(self) -> list[str]:
+        """Each slot's name, in slot order."""
+        return [s.name for s in self.slots]
 
     # -- what state[p] hands out --------------------------------------------------------------
 
@@ -270,7 +268,8 @@ class GroupState:
         """Whether ``state[p]`` has parameter ``i``'s fp32 master: in the master buffer
         (offloaded, or a bfloat16/float16 CPU parameter), or its float32 home (the host copy
         the step writes in place is the master); a float32 CPU parameter is its own master."""
-        return self.master is not None and not self.kahan[i] and (self.streamed or self.params[i].dtype in LOW_PRECISION)
+        s = self.slots[i]
+        return self.master is not None and not s.kahan and (self.streamed or s.param.dtype in LOW_PRECISION)
 
     def moment_buffers(self) -> dict[str, Tensor]:
         """The group's moment buffers, by the schema's names (the amsgrad maximum if it has one)."""
@@ -282,38 +281,28 @@ class GroupState:
         as its codec shows them (see ``schema.py``)."""
         # Shaped (and strided) like the parameter; a hosted one like its home (its data, a view
         # that moves with its streaming, has any strides).
-        home, d = self.homes[i], self.stand_ins[i]
-        p = home if home is not None else d if d is not None else self.params[i]
+        s = self.slots[i]
+        home, d = s.home, s.stand_in
+        p = home if home is not None else d if d is not None else s.param
         out: dict[str, Tensor] = {"step": self.steps[i]}
-        codec, off = self.codecs[i], self.moment_offsets[i]
         for key, buf in self.moment_buffers().items():
-            out.update(codec.views(buf, off, MOMENT[key], p, rows=self.dtensor[i]))
+            out.update(s.codec.views(buf, s.moment_offset, MOMENT[key], p, rows=s.dtensor))
         if self.has_master(i):
             assert self.master is not None
-            out[MASTER_KEY] = home if home is not None and p.dtype == torch.float32 else view(self.master, self.offsets[i], p)
-        if self.kahan[i]:
+            out[MASTER_KEY] = home if home is not None and p.dtype == torch.float32 else view(self.master, s.offset, p)
+        if s.kahan:
             assert self.comp is not None
-            out[COMP_KEY] = view(self.comp, self.offsets[i], p)
+            out[COMP_KEY] = view(self.comp, s.offset, p)
         return out
 
     def entry(self, i: int) -> dict[str, Tensor]:
         """The ``state[p]`` entry of parameter ``i``: :meth:`views`, as DTensors of the
         parameter's mesh and placements for a DTensor parameter (as torch's AdamW keeps them)."""
         v = self.views(i)
-        if not self.dtensor[i]:
+        s = self.slots[i]
+        if not s.dtensor:
             return v
-        from torch.distributed.tensor import DTensor
-
-        k = self.keys[i]
-        assert isinstance(k, DTensor)
-
-        def dt(n: str, t: Tensor) -> Tensor:
-            if n.endswith(("_absmax", "_scale")):  # one per 256 elements of each row (see row_blocks)
-                per = math.prod(k.shape[1:]) // QBLOCK
-                return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=torch.Size((k.shape[0], per)), stride=(per, 1))
-            return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=k.shape, stride=k.stride())
-
-        return {n: t if n == "step" else dt(n, t) for n, t in v.items()}
+        return {n: t if n == "step" else as_dtensor(n, t, s.key) for n, t in v.items()}
 
     def ensure_amsgrad(self) -> bool:
         """Allocates ``max_exp_avg_sq`` for a group whose ``amsgrad`` was switched on later:
@@ -334,9 +323,10 @@ class GroupState:
         since (a load into the model) and its gradient (contiguous, as AccumulateGrad makes
         the gradient of a parameter that is not dense). Returns the slots bound."""
         for i in self.stand_slots:
-            d, p = self.stand_ins[i], self.params[i]
+            s = self.slots[i]
+            d, p = s.stand_in, s.param
             assert d is not None
-            if p._version != self.stand_versions[i]:
+            if p._version != s.stand_version:
                 d.copy_(p)
             g = p.grad
             d.grad = None if g is None else g if g.is_contiguous() else g.contiguous()
@@ -346,39 +336,45 @@ class GroupState:
         """After a step (also a failed one: a slot is updated whole or not at all): the weights
         back into the parameters."""
         for i in bound:
-            d, p = self.stand_ins[i], self.params[i]
+            s = self.slots[i]
+            d, p = s.stand_in, s.param
             assert d is not None
             d.grad = None
             p.copy_(d)
-            self.stand_versions[i] = p._version
+            s.stand_version = p._version
 
     # -- offloaded parameters -----------------------------------------------------------------
 
     def grad_slot(self, i: int) -> Tensor:
         """The host landing slot of parameter ``i``'s gradient, shaped like the parameter."""
-        k, off = self.landing_slots[i]
+        s = self.slots[i]
+        assert s.landing is not None
+        k, off = s.landing
         buf = self.landing[k]
         assert buf is not None
-        p = self.params[i]
+        p = s.param
         return buf[off : off + p.numel()].view(p.shape)
 
     def master_view(self, i: int) -> Tensor:
         assert self.master is not None
-        p = self.params[i]
-        return self.master[self.offsets[i] : self.offsets[i] + p.numel()].view(p.shape)
+        s = self.slots[i]
+        p = s.param
+        return self.master[s.offset : s.offset + p.numel()].view(p.shape)
 
     def copy_src(self, i: int) -> Tensor | None:
         """Where parameter ``i``'s updated weights are copied back from (None: written into its
         home, nothing to copy): pinned host memory, as an asynchronous copy needs."""
-        if self.homes[i] is not None:
+        s = self.slots[i]
+        if s.home is not None:
             return None
-        return self.master_view(i) if self.params[i].dtype == torch.float32 and not self.paged_masters else self.grad_slot(i)
+        return self.master_view(i) if s.param.dtype == torch.float32 and not self.paged_masters else self.grad_slot(i)
 
     def stages_copyback(self, i: int) -> bool:
         """Whether parameter ``i``'s updated master is copied into its landing slot after the step
         (an fp32 weight whose master is paged: the copy back reads pinned memory, not the page;
         a low-precision one has its rounded copy written there by the kernel)."""
-        return self.homes[i] is None and self.params[i].dtype == torch.float32 and self.paged_masters
+        s = self.slots[i]
+        return s.home is None and s.param.dtype == torch.float32 and self.paged_masters
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -395,11 +391,12 @@ class GroupState:
         the buffers' keys). Moments and masters share one, except uint8 moments (a byte layout
         of their own)."""
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+        offsets = [s.offset for s in self.slots]
         if self.exp_avg.dtype != torch.uint8:
-            return [(self.total, self.offsets, (*keys, "master", "comp"))]
-        out: list[tuple[int, list[int], tuple[str, ...]]] = [(self.exp_avg.numel(), self.moment_offsets, keys)]
+            return [(self.total, offsets, (*keys, "master", "comp"))]
+        out: list[tuple[int, list[int], tuple[str, ...]]] = [(self.exp_avg.numel(), [s.moment_offset for s in self.slots], keys)]
         if self.master is not None or self.comp is not None:
-            out.append((self.total, self.offsets, ("master", "comp")))
+            out.append((self.total, offsets, ("master", "comp")))
         return out
 
     def paged_buffers(self) -> dict[str, Tensor]:
@@ -429,8 +426,5 @@ class GroupState:
         if not self.streamed:
             return held, held
         k = len(self.moment_buffers())
-        tight = sum(
-            p.numel() * ((2 if kahan else 4) + p.element_size()) + k * c.nbytes(n)
-            for p, c, n, kahan in zip(self.params, self.codecs, self.lens, self.kahan)
-        )
+        tight = sum(s.param.numel() * ((2 if s.kahan else 4) + s.param.element_size()) + k * s.codec.nbytes(s.len) for s in self.slots)
         return held, tight

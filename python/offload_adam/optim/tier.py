@@ -17,7 +17,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from ..runtime.pager import Family, Pager, RunDir, aligned_empty
+from ..runtime.pager import Family, Pager
+from ..runtime.pages import PageStore, aligned_empty
 from .state import SLOT_ALIGN, GroupState
 
 PAGE_ALIGN = 2048  # elements: each bucket's state starts on 4096 bytes of a 2-byte state, 8192 of a 4-byte one
@@ -120,9 +121,9 @@ class NvmeTier:
     ) -> None:
         if read_ahead < 0 or write_behind < 1:
             raise ValueError(f"read_ahead must be >= 0 and write_behind >= 1, got {read_ahead}, {write_behind}")
-        self.run = RunDir(nvme_dir, io=io)
+        self.store = PageStore(nvme_dir, io=io)
         self.pager = Pager(
-            self.run, host_budget_bytes=host_budget_bytes, read_ahead=read_ahead, write_behind=write_behind,
+            self.store, host_budget_bytes=host_budget_bytes, read_ahead=read_ahead, write_behind=write_behind,
             corrupt_hint="; restore the optimizer from a checkpoint",
         )  # fmt: skip
         self.state_alloc: Callable[[int, torch.dtype], Tensor] | None = aligned_empty
@@ -131,7 +132,7 @@ class NvmeTier:
 
     @property
     def path(self) -> str:
-        return self.run.path
+        return self.store.path
 
     @property
     def stats(self) -> Mapping[str, float]:
@@ -193,4 +194,4 @@ class NvmeTier:
 
     def close(self) -> None:
         self.pager.close()
-        self.run.close()
+        self.store.close()

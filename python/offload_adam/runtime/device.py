@@ -311,6 +311,77 @@ class CudaDevice:
         torch.cuda.synchronize(self.torch_device)
 
 
+class HostDevice:
+    """The CPU as the device a model runs on (``offload_weights(device="cpu")``, or no GPU): its
+    memory is the host's, its work runs on the calling thread. Nothing is copied to it (a block
+    runs from its host bytes), so there are no side streams; events are complete at once."""
+
+    torch_device = torch.device("cpu")
+    d2h = h2d = h2d_now = None
+
+    def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
+        return torch.zeros(n, dtype=dtype)
+
+    def host_empty(self, n: int, dtype: torch.dtype) -> Tensor:
+        return torch.empty(n, dtype=dtype)
+
+    def pin(self, t: Tensor) -> None:
+        pass  # nothing copies from it asynchronously
+
+    def staging(self, like: Tensor) -> Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+    def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        for dst, src in pairs:
+            dst.copy_(src)
+
+    def copy_blocking(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
+        self.copy(pairs, stream)
+
+    def empty(self, n: int, dtype: torch.dtype, meter: Meter | None = None) -> Tensor:
+        t = torch.empty(n, dtype=dtype)
+        return meter.track(t) if meter is not None else t
+
+    def record(self, stream: Any, timing: bool = False) -> Any:
+        return None
+
+    def record_current(self, timing: bool = False) -> Any:
+        return None
+
+    def elapsed(self, start: Any, end: Any) -> float | None:
+        return 0.0
+
+    def stream_waits(self, stream: Any, event: Any) -> None:
+        pass
+
+    def current_waits(self, event: Any) -> None:
+        pass
+
+    def host_wait(self, event: Any) -> None:
+        pass
+
+    def query(self, event: Any) -> bool:
+        return True
+
+    def keep_until_done(self, t: Tensor, stream: Any) -> None:
+        pass
+
+    def thread_context(self) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def capturing(self) -> bool:
+        return False
+
+    def drain(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+HOST = HostDevice()
+
+
 # -- one device per torch device ----------------------------------------------------------------
 
 _cuda: dict[int, CudaDevice] = {}
@@ -360,6 +431,8 @@ def stream_device(device: Any, why: str) -> Device:
     d = torch.device(device)
     if d.type != "cuda" and not (d.type == "cpu" and device_for(d) is not None):
         raise ValueError(f"device: {d} is not a CUDA device")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: no CUDA device here ({why})")
     dev = device_for(d)
     assert dev is not None
     return dev

@@ -91,6 +91,7 @@ class _Recorder(TorchFunctionMode):
 
 class _Local(threading.local):
     def __init__(self) -> None:
+        self.args: tuple[Any, ...] = ()  # the positional arguments of the module call being pre-hooked
         self.stack: list[torch.nn.Module] = []
         self.recorder: _Recorder | None = None
         self.busy = 0  # inside a subscriber's callback: its own torch calls are not the module's reads
@@ -153,6 +154,7 @@ class Schedule:
             loc.recorder = _Recorder(self, wanted)
             loc.recorder.__enter__()
         loc.stack.append(module)
+        loc.args = args
         loc.busy += 1
         try:
             dead = False
@@ -166,6 +168,12 @@ class Schedule:
                 self._prune()
         finally:
             loc.busy -= 1
+            loc.args = ()
+
+    def call_args(self) -> tuple[Any, ...]:
+        """Inside a subscriber's ``pre_forward``: the positional arguments of the module call
+        about to run (a block's hidden states: how many rows the call has)."""
+        return self._local.args
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         loc = self._local

@@ -228,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         "--linear-model", action="store_true",
         help="--linear: also decode the 4-layer 8B-class model, against llama.cpp where it installs",
     )  # fmt: skip
+    ap.add_argument(
+        "--placement", metavar="DIR",
+        help="instead: a model 4x its RAM budget run on the CPU from the SSD under DIR, against it resident and accelerate's disk offload (see placement_bench)",
+    )  # fmt: skip
+    ap.add_argument("--placement-params", type=float, default=1e9, help="--placement: the model's parameters (default 1B)")
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
@@ -268,6 +273,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(tres, f, indent=1)
+        return 0
+    if args.placement:
+        from . import placement_bench
+
+        os.makedirs(args.placement, exist_ok=True)
+        pres = placement_bench.run(args.placement, params=args.placement_params, prefetch=args.prefetch, rounds=max(1, min(args.rounds, 3)))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(pres, f, indent=1)
         return 0
     if args.weights:
         from . import weights_bench

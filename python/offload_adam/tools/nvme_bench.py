@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from .. import _native
-from ..runtime.pager import aligned_empty
+from ..runtime.pages import aligned_empty
 from ..optim.optimizer import AdamW
 
 

@@ -480,24 +480,29 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     if weights + args.reserve_gb * GB <= args.gpu_gb * GB:
         print(f"\nThe model fits on the GPU whole ({weights / GB:.1f} GiB): model.cuda(), no offload needed.")
         return
+    gemv = cpu_gemv_gflops(args.dtype)
     if usable < ring:
         print(
-            f"\nNothing fits: the streaming ring alone ({ring / GB:.1f} GiB, prefetch {args.prefetch}) is over the "
+            f"\nNo GPU room: the streaming ring alone ({ring / GB:.1f} GiB, prefetch {args.prefetch}) is over the "
             f"{max(usable, 0) / GB:.1f} GiB the GPU has after --reserve-gb"
         )
+        cpu_only(args, r, weights, es, gemv)
         return
     print(
         "\nDecode at batch 1: each token's forward copies every streamed (not resident) block to the GPU, so tokens/s is at "
         "most the PCIe bandwidth (storage=\"nvme\": the disk's too) over the streamed bytes; a batch of b sequences makes b "
         "tokens per forward. The GPU's own time comes on top."
     )
-    # Later placements get a row here once offload_weights has them (the placement and quantized
-    # weights issues): blocks run on the CPU from their host copy (tokens/s about
-    # min(host bandwidth / streamed bytes, calibration's cpu_matmul_gflops at 1 row / 2 FLOPs per
-    # parameter)), and quantized weights (fewer bytes per parameter streamed). Only what
-    # offload_weights does today is printed.
+    print(
+        "placement=\"cpu\" runs the non-resident blocks on the CPU from RAM instead: tokens/s is at most the host's read "
+        f"bandwidth over their bytes, and the CPU's 1-row matmul rate ({gemv:g} GFLOP/s, {_gemv_source(args.dtype)}) over "
+        "2 FLOPs per parameter; placement=\"auto\" takes the better per call (a prompt streams)."
+    )
     budgets: list[float | None] = [None] + sorted({round(f * usable / GB, 1) for f in (0.25, 0.5, 0.75)} | {math.floor(usable / GB * 10) / 10})
-    print(f"  {'gpu_budget_gb':>17}  {'on the GPU':>10}  {'streamed/token':>14}  {'storage=cpu: tokens/s, pinned RAM':>38}  {'storage=nvme: tokens/s':>22}")
+    print(
+        f"  {'gpu_budget_gb':>17}  {'on the GPU':>10}  {'streamed/token':>14}  {'storage=cpu: tokens/s, pinned RAM':>38}  "
+        f"{'storage=nvme: tokens/s':>22}  {'placement=cpu: tokens/s':>23}"
+    )
     rows = []
     for b in budgets:
         budget = None if b is None else int(b * GB)
@@ -512,13 +517,17 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         nvme_rate = min(r.pcie, r.disk) * G / streamed if streamed else math.inf
         host_ok = streamed <= 0.9 * args.host_gb * GB
         nvme_ok = streamed <= args.nvme_gb * GB
-        rows.append((b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok))
+        on_cpu = min(r.host * G / streamed, gemv * 1e9 / (2 * streamed / es)) if streamed else math.inf
+        rows.append((b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu))
         name = "None (stream all)" if b is None else f"{b:g}"
         cpu_col = f"{cpu_rate:.2f} (PCIe), {streamed / GB:.1f} GiB" + ("" if host_ok else " > 90% of host")
         nvme_col = f"{nvme_rate:.2f} ({'SSD' if r.disk < r.pcie else 'PCIe'})" if nvme_ok else "no NVMe space"
-        print(f"  {name:>17}  {(resident + ring_b) / GB:>6.1f} GiB  {streamed / GB:>10.1f} GiB  {cpu_col:>38}  {nvme_col:>22}")
-    b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok = rows[-1]
-    if host_ok:
+        place_col = f"{on_cpu:.2f}" if host_ok else "needs RAM"
+        print(f"  {name:>17}  {(resident + ring_b) / GB:>6.1f} GiB  {streamed / GB:>10.1f} GiB  {cpu_col:>38}  {nvme_col:>22}  {place_col:>23}")
+    b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu = rows[-1]
+    if host_ok and on_cpu > cpu_rate:
+        storage, rate, by, kw = "cpu", on_cpu, "the CPU reading RAM", ', placement="auto"'
+    elif host_ok:
         storage, rate, by, kw = "cpu", cpu_rate, "PCIe", ""
     elif nvme_ok:
         storage, rate, by, kw = "nvme", nvme_rate, "the SSD" if r.disk < r.pcie else "PCIe", ', storage="nvme", nvme_dir="/path/on/the/ssd"'
@@ -546,6 +555,34 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
             f"  note: 4-bit weights (about {q4 / GB:.1f} GiB) would fit this GPU whole, at the GPU's own speed; this version "
             "streams unquantized weights only (bitsandbytes or torchao quantize a model in place)."
         )
+
+
+def cpu_gemv_gflops(dtype: str) -> float:
+    """The CPU's matmul rate at one row for ``dtype``: the calibration's, else the cost model's default."""
+    from ..runtime import costs
+
+    return float(calibration.load().get("cpu_matmul_gflops", {}).get(dtype, {}).get("1", costs.DEFAULT_CPU_GFLOPS["1"]))
+
+
+def _gemv_source(dtype: str) -> str:
+    return "calibration" if dtype in calibration.load().get("cpu_matmul_gflops", {}) else "default: run python -m offload_adam calibrate"
+
+
+def cpu_only(args: argparse.Namespace, r: Rates, weights: float, es: int, gemv: float) -> None:
+    """Without GPU room: the model on the CPU (device="cpu"), from RAM or from the SSD."""
+    per_param = gemv * 1e9 / (2 * weights / es)
+    room = 0.9 * args.host_gb * GB
+    if weights <= room:
+        rate, by, kw = min(r.host * G / weights, per_param), "the CPU reading RAM", 'device="cpu"'
+    elif weights <= args.nvme_gb * GB:
+        keep = max(room - (args.prefetch + 1) * weights / args.layers, 0.0)
+        rate = min(r.disk * G / (weights - keep), per_param)
+        by, kw = "the SSD", f'device="cpu", storage="nvme", nvme_dir="/path/on/the/ssd", host_budget_gb={keep / GB:.0f}'
+    else:
+        print("On the CPU neither: the weights need RAM or NVMe space.")
+        return
+    print(f"\nRecommended: the model on the CPU, at most {rate:.2f} tokens/s at batch 1, bound by {by}:")
+    print(f"    h = offload_adam.offload_weights(model, checkpoint=DIR, {kw})")
 
 
 def _print_rates(r: Rates, args: argparse.Namespace) -> None:

@@ -22,30 +22,9 @@ from typing import Any, cast
 
 import torch
 
-from ..runtime.device import Device
-from ..runtime.pager import ALIGN
-from ..runtime.pinned import PinnedArena
+from ..runtime.pages import ALIGN, aligned_empty
 from ..weights.blocks import find_blocks
 from ..weights.storage import NvmeWeights
-
-
-class _Done:
-    """An event that has completed: the bench copies nothing to a device."""
-
-
-class _HostOnly:
-    """The device side of the read path, absent: no copies, events complete at once."""
-
-    torch_device = torch.device("cpu")
-
-    def host_buffer(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(n, dtype=dtype)
-
-    def query(self, event: Any) -> bool:
-        return True
-
-    def host_wait(self, event: Any) -> None:
-        pass
 
 
 def _layers(nbytes: float, d: int = 2048) -> torch.nn.Module:
@@ -67,29 +46,26 @@ def read_path(nvme_dir: str, *, gb: float, prefetch: int, rounds: int) -> dict[s
     for p in model.parameters():
         p.data.fill_(0.5)
     blocks = find_blocks(model)
-    dev: Device = _HostOnly()  # type: ignore[assignment]
-    arena = PinnedArena(dev)
-    src = NvmeWeights(dev, arena, nvme_dir, blocks, prefetch + 2)
+    src = NvmeWeights(None, None, nvme_dir, blocks, prefetch + 2)  # the host consumes the slots: no device
     try:
         for b in blocks:
             dst = src.staging(b)
             for e in b.entries:
                 e.view(dst).copy_(e.param.detach())
-            src.store(b)
+            src.store_block(b)
         del model
         total = sum(-(-b.nbytes // ALIGN) * ALIGN for b in blocks)
         eng = src.io
         reqs_raw = []
-        buf = arena.alloc(64 << 20, torch.uint8, align=ALIGN)
+        buf = aligned_empty(64 << 20, torch.uint8)
         req = 8 << 20
         for k in range(total // req):
             o = (k % 8) * req
-            reqs_raw.append((False, src.file, buf[o : o + req], k * req))
+            reqs_raw.append((False, src.file.fid, buf[o : o + req], k * req))
         raw_b = (total // req) * req
         ours: list[float] = []
         raw: list[float] = []
         ratio: list[float] = []
-        done = _Done()
         for r in range(rounds + 1):
             t0 = time.perf_counter()
             eng.submit(reqs_raw).wait()
@@ -100,7 +76,7 @@ def read_path(nvme_dir: str, *, gb: float, prefetch: int, rounds: int) -> dict[s
                     if not src.start(blocks[j]):
                         break
                 src.host(b)
-                src.done(b, done)
+                src.done(b, None)
             t_ours = time.perf_counter() - t0
             if r == 0:
                 continue  # warm-up
@@ -108,7 +84,7 @@ def read_path(nvme_dir: str, *, gb: float, prefetch: int, rounds: int) -> dict[s
             ours.append(total / t_ours)
             ratio.append((total / t_ours) / (raw_b / t_raw))
         return {
-            "bytes": total, "blocks": len(blocks), "prefetch": prefetch, "direct": eng.direct(src.file),
+            "bytes": total, "blocks": len(blocks), "prefetch": prefetch, "direct": eng.direct(src.file.fid),
             "backend": eng.backend, "raw_Bps": statistics.median(raw), "ours_Bps": statistics.median(ours),
             "ratio": statistics.median(ratio),
         }  # fmt: skip

@@ -18,12 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..runtime.pinned import align_up
+
 TENSOR_ALIGN = 256  # bytes: every tensor of a block starts on it (as the caching allocator aligns: kernels see the same alignment)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 @dataclass
@@ -61,7 +59,7 @@ class Block:
         for e in self.entries:
             e.offset = off
             e.nbytes = e.param.numel() * e.param.element_size()
-            off = _align(off + e.nbytes, TENSOR_ALIGN)
+            off = align_up(off + e.nbytes, TENSOR_ALIGN)
         self.nbytes = self.entries[-1].offset + self.entries[-1].nbytes if self.entries else 0
 
 

@@ -94,6 +94,11 @@ class Loader:
         for e, v in zip(self.blocks[b].entries, views):
             e.param.data = v
 
+    def point_host(self, b: int, host: Tensor) -> None:
+        """Block ``b``'s parameters := views of its host bytes ``host`` (it runs on the CPU)."""
+        for e in self.blocks[b].entries:
+            e.param.data = e.view(host)
+
     def copy(self, b: int, slot: Slot, now: bool) -> Any:
         """Queues the copy of block ``b`` into ``slot``; returns its completion event. Raises
         (nothing queued) if the source cannot deliver its bytes (an I/O error, a bad CRC)."""

@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Sequence
+import resource
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..runtime.device import Device, Meter, stream_device
+from ..runtime import costs
+from ..runtime.device import HOST, Device, HostDevice, Meter, device_for, stream_device
 from ..runtime.hosted import Home, claimed, set_home
-from ..runtime.pinned import PinnedArena
+from ..runtime.pages import ALIGN
+from ..runtime.pinned import PinnedArena, align_up
 from .blocks import Block, find_blocks
 from .checkpoint import Checkpoint
-from .storage import HostWeights, NvmeWeights
 from .loader import placeholders
+from .placement import PLACEMENTS, HostCalls, Placer, host_only_blocks
+from .ring import plan as ring_plan
+from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
 
 GiB = 1 << 30
@@ -26,10 +31,12 @@ STORAGES = ("cpu", "nvme")
 ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
 
 
-def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int) -> int:
-    """Device bytes of the streaming ring for ``streamed`` blocks (see ``ring.py``)."""
-    general = [blocks[b].nbytes for b in streamed if b not in own]
-    return min(prefetch + 1, len(general)) * max(general, default=0) + sum(blocks[b].nbytes for b in streamed if b in own)
+def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int, host_only: set[int] | None = None) -> int:
+    """Device bytes of the streaming ring for ``streamed`` blocks (see ``ring.py``); the slots of
+    ``host_only`` blocks (embeddings looked up on the host) are never made."""
+    size, n, made, later = ring_plan(list(blocks), list(streamed), own, prefetch, host_only=host_only)
+    skip = host_only or set()
+    return n * size + sum(blocks[b].nbytes for b in made | later if b not in skip)
 
 
 def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
@@ -48,25 +55,31 @@ def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
     return own
 
 
-def choose_resident(blocks: Sequence[Block], budget: int | None, prefetch: int, buffers: int) -> set[int]:
+def choose_resident(
+    blocks: Sequence[Block], budget: int | None, prefetch: int, buffers: int,
+    ring: Callable[[list[int]], int] | None = None, what: str = "gpu_budget_gb", among: Sequence[int] | None = None,
+) -> set[int]:  # fmt: skip
     """The blocks kept resident within ``budget`` bytes (None: none), after the ring: small
     blocks first (not layers, by size), then layers in order. Raises if the ring alone (with
-    the buffers, always resident) does not fit."""
+    the buffers, always resident) does not fit. ``ring``: the ring's bytes for the blocks left
+    streamed (default: the device's, see ``ring.py``); ``what`` names the budget in the error;
+    ``among``: the blocks that may be kept (default: all)."""
     own = own_slot_blocks(blocks)
-    every = [b.index for b in blocks]
+    every = [b.index for b in blocks] if among is None else list(among)
     if budget is None:
         return set()
+    ring_of = ring or (lambda streamed: ring_bytes(blocks, streamed, own, prefetch))
 
     def cost(res: set[int]) -> int:
         streamed = [i for i in every if i not in res]
-        return buffers + sum(blocks[i].nbytes for i in res) + ring_bytes(blocks, streamed, own, prefetch)
+        return buffers + sum(blocks[i].nbytes for i in res) + ring_of(streamed)
 
     if cost(set()) > budget:
         raise ValueError(
-            f"gpu_budget_gb: {budget / GiB:.4g} GiB is smaller than the streaming ring with prefetch={prefetch} "
+            f"{what}: {budget / GiB:.4g} GiB is smaller than the streaming ring with prefetch={prefetch} "
             f"({cost(set()) / GiB:.4g} GiB, buffers included)"
         )
-    order = sorted((b.index for b in blocks if not b.layer), key=lambda i: blocks[i].nbytes) + [b.index for b in blocks if b.layer]
+    order = sorted((i for i in every if not blocks[i].layer), key=lambda i: blocks[i].nbytes) + [i for i in every if blocks[i].layer]
     res: set[int] = set()
     for i in order:
         if cost(res | {i}) <= budget:
@@ -130,10 +143,16 @@ class WeightOffload:
         gpu_budget_gb: float | None,
         prefetch: int,
         blocks: list[torch.nn.Module] | None,
+        placement: str = "stream",
+        host_budget_gb: float | None = None,
+        num_threads: int | None = None,
+        cost_model: costs.CostModel | None = None,
     ) -> None:
         self.model = model
         self.device = device
         self.storage = storage
+        self.placement = placement if not isinstance(device, HostDevice) else "cpu"
+        on_device = not isinstance(device, HostDevice)
         tie = getattr(model, "tie_weights", None)
         if checkpoint is not None and callable(tie):
             # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
@@ -144,15 +163,52 @@ class WeightOffload:
         self.arena = PinnedArena(device)
         buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
         buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers)
-        budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
-        self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes)
+        own = own_slot_blocks(self.blocks)
+        host_only = host_only_blocks(self.blocks)
+        every = [b.index for b in self.blocks]
+        page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
+        host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
+        if on_device:
+            # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
+            # makes no general slots: a call that must stream makes its slot then).
+            general = self.placement != "cpu"
+
+            def device_ring(streamed: list[int]) -> int:
+                size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
+                return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
+
+            budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
+            self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
+        elif storage == "cpu":
+            self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
+        else:
+            # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
+            # of prefetch + 1 pages the others are read into (None: none in RAM).
+            self.resident = choose_resident(
+                self.blocks, host_budget, prefetch, buffer_bytes, ring=lambda streamed: (prefetch + 1) * page(streamed),
+                what="host_budget_gb",
+            )  # fmt: skip
         streamed = [b.index for b in self.blocks if b.index not in self.resident]
         self.streamed = streamed
+        self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
+        if on_device and storage == "nvme" and host_budget is not None:
+            self.in_ram = choose_resident(
+                self.blocks, host_budget, prefetch, 0, ring=lambda rest: (prefetch + 2) * page(rest),
+                what="host_budget_gb", among=streamed,
+            )  # fmt: skip
         ck = Checkpoint(checkpoint) if checkpoint is not None else None
         where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
         stream_blocks = [self.blocks[i] for i in streamed]
-        if storage == "nvme":
-            self.source: HostWeights | NvmeWeights = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, prefetch + 2)
+        slots = prefetch + (2 if on_device else 1)  # a page being copied (or run) and the next ones read ahead
+        if storage == "nvme" and self.in_ram:
+            on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
+            self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
+                HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
+                NvmeWeights(device, self.arena, nvme_dir, on_disk, slots),
+                self.in_ram,
+            )
+        elif storage == "nvme":
+            self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
         else:
             self.source = HostWeights(self.arena, stream_blocks)
         self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
@@ -165,7 +221,6 @@ class WeightOffload:
         finally:
             if ck is not None:
                 ck.close()
-        own = own_slot_blocks(self.blocks)
         triggers = {id(m): b.index for b in self.blocks for m in b.modules}
         guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
         # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
@@ -173,14 +228,29 @@ class WeightOffload:
         self.homes: dict[int, list[Home]] = {}
         for i in streamed:
             b = self.blocks[i]
-            host = self.source.view(b) if isinstance(self.source, HostWeights) else None
+            host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
             self.homes[i] = [Home(e.view(host) if host is not None else None, device, b.name) for e in b.entries]
             for e, h in zip(b.entries, self.homes[i]):
                 set_home(e.param, h)
+        if self.placement == "auto" and cost_model is None:
+            dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
+            cost_model = costs.cached_model(dtype)
+        self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
         self.streamer = Streamer(
-            device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes
-        )
+            device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
+            placer=self.placer,
+        )  # fmt: skip
+        # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
+        # streamed block's modules that may run there, and with the CPU as the device every block's.
+        self.host_calls: HostCalls | None = None
+        if self.placement != "stream" or num_threads is not None:
+            self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads)
+            for b in self.blocks:
+                if b.index in self.streamed or not on_device:
+                    for m in b.modules:
+                        self.host_calls.attach(m, b.index)
         self.prefetch = prefetch
+        self.num_threads = num_threads
         self.closed = False
         setattr(model, ATTR, self)
 
@@ -205,7 +275,7 @@ class WeightOffload:
                 for o, e in zip(outs, b.entries):
                     _bind(e.param, o)
             else:
-                self.source.store(b)
+                self.source.store_block(b)
                 for e, ph in zip(b.entries, self.placeholders[b.index]):
                     _bind(e.param, ph)
         moved: dict[int, Tensor] = {}
@@ -221,22 +291,34 @@ class WeightOffload:
     def report(self) -> dict[str, Any]:
         """What the offload holds and moved: ``gpu_peak_bytes`` (the most device memory it
         allocated at once: ring, resident blocks, buffers), ``gpu_resident_bytes`` (resident
-        blocks and buffers), ``ring_bytes``, ``host_pinned_bytes``, ``nvme_bytes``,
-        ``weights_bytes`` (every block), ``streamed_bytes``; since the last
-        :meth:`reset_stats`: ``h2d_bytes`` and ``h2d_s`` (time the copies took on the device),
-        ``stall_s`` (time compute waited for a weight), ``passes`` (forwards), ``loads`` and
-        ``on_demand_loads`` (loads not prefetched), and with ``storage="nvme"`` ``read_bytes``
-        and ``io_wait_s`` (host time waiting for the disk)."""
+        blocks and buffers), ``ring_bytes``, ``host_pinned_bytes``, ``host_resident_bytes`` (blocks
+        kept in RAM by ``host_budget_gb``), ``host_ring_bytes`` (the RAM pages NVMe blocks are read
+        ahead into), ``nvme_bytes``, ``weights_bytes`` (every block), ``streamed_bytes``; since the
+        last :meth:`reset_stats`: ``h2d_bytes`` and ``h2d_s`` (time the copies took on the
+        device), ``stall_s`` (time compute waited for a weight), ``passes`` (forwards), ``loads``
+        and ``on_demand_loads`` (loads not prefetched), ``calls`` (per phase, ``"prompt"`` and
+        ``"decode"``, how many block calls ran ``"stream"`` and ``"cpu"``), ``cpu_s`` (time in
+        blocks run on the CPU), ``hidden_bytes`` and ``kv_bytes`` (what crossed for them), and with
+        ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
+        the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
+        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0)."""
         st = self.streamer
         h2d_s, stall_s = st.timings()
+        on_device = not isinstance(self.device, HostDevice)
         resident = sum(self.blocks[i].nbytes for i in self.resident) + sum(
             b.numel() * b.element_size() for b in self.model.buffers()
         )
+        nvme = self.source.nvme if isinstance(self.source, SplitWeights) else self.source
+        hc = self.host_calls.stats if self.host_calls is not None else {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0}
         out: dict[str, Any] = {
-            "gpu_peak_bytes": self.meter.peak,
-            "gpu_resident_bytes": resident,
+            "device": str(self.device.torch_device) if on_device else "cpu",
+            "placement": self.placement,
+            "gpu_peak_bytes": self.meter.peak if on_device else 0,
+            "gpu_resident_bytes": resident if on_device else 0,
             "ring_bytes": st.ring_bytes,
-            "host_pinned_bytes": self.arena.nbytes,
+            "host_pinned_bytes": self.arena.nbytes if on_device else 0,
+            "host_resident_bytes": (resident if not on_device else 0) + sum(self.blocks[i].nbytes for i in self.in_ram),
+            "host_ring_bytes": nvme.ring.nbytes if isinstance(nvme, NvmeWeights) else 0,
             "nvme_bytes": self.source.nvme_bytes,
             "weights_bytes": sum(b.nbytes for b in self.blocks),
             "streamed_bytes": sum(self.blocks[i].nbytes for i in self.streamed),
@@ -246,6 +328,10 @@ class WeightOffload:
             "passes": st.stats["passes"],
             "loads": st.stats["loads"],
             "on_demand_loads": st.stats["on_demand"],
+            "calls": {ph: dict(c) for ph, c in self.placer.counts.items()},
+            **hc,
+            "host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "page_cache_bytes": nvme.store.page_cache_bytes() if isinstance(nvme, NvmeWeights) else 0,
             "blocks": len(self.blocks),
             "streamed_blocks": len(self.streamed),
             "prefetch": self.prefetch,
@@ -255,10 +341,13 @@ class WeightOffload:
         return out
 
     def reset_stats(self) -> None:
-        """Starts the counters of ``report()`` (bytes moved, times, loads) afresh."""
+        """Starts the counters of ``report()`` (bytes moved, times, loads, calls) afresh."""
         self.streamer.reset_stats()
-        if isinstance(self.source, NvmeWeights):
-            self.source.stats = dict.fromkeys(self.source.stats, 0.0)
+        self.placer.reset_stats()
+        if self.host_calls is not None:
+            self.host_calls.reset_stats()
+        if isinstance(self.source, (NvmeWeights, SplitWeights)):
+            self.source.stats.reset()
 
     # -- the end --------------------------------------------------------------------------------
 
@@ -283,6 +372,8 @@ class WeightOffload:
             for i in self.homes:
                 for e in self.blocks[i].entries:
                     set_home(e.param, None)
+            if self.host_calls is not None:
+                self.host_calls.close()
             self.streamer.close()
             # Every stream, the user's included: a forward under torch.cuda.stream(s) may still
             # read the ring this frees (a cold path: one synchronize).
@@ -345,10 +436,16 @@ def offload_weights(
     gpu_budget_gb: float | None = None,
     prefetch: int = 2,
     blocks: list[torch.nn.Module] | None = None,
+    placement: str = "stream",
+    host_budget_gb: float | None = None,
+    num_threads: int | None = None,
+    cost_model: costs.CostModel | None = None,
 ) -> WeightOffload:
     """Keeps ``model``'s weights on the host and streams them to ``device`` block by block,
     ahead of need, for inference and for training (build the optimizer after this call; the step
-    then writes the host copy the next forward streams).
+    then writes the host copy the next forward streams); or runs blocks on the CPU from their host
+    copy where that is cheaper (``placement``), or the whole model on the CPU (``device="cpu"``,
+    or no GPU: with ``storage="nvme"`` a model larger than the RAM runs).
 
     Each layer of a ``ModuleList`` of repeated layers is a block, and so is each other module
     with parameters of its own. The device holds a ring of ``prefetch + 1`` slots of the largest
@@ -365,7 +462,10 @@ def offload_weights(
         model: an ``nn.Module`` on the CPU with float32, bfloat16 or float16 parameters (or
             built with ``accelerate.init_empty_weights()``, with ``checkpoint``).
         device: the device to run on (default: None, the current CUDA device; inside
-            ``offload_adam.testing.simulated_device()``, the simulated device).
+            ``offload_adam.testing.simulated_device()``, the simulated device; without either,
+            the CPU). ``"cpu"``: the whole model runs on the CPU, its blocks from RAM (within
+            ``host_budget_gb`` with ``storage="nvme"``, the others read ahead from the SSD into a
+            RAM ring of ``prefetch + 1`` pages).
         storage: where the streamed weights live (default: ``"cpu"``): ``"cpu"``, one pinned host
             allocation of exactly their bytes; ``"nvme"``, a file under ``nvme_dir``, read ahead
             by the I/O engine (for inference: training needs ``"cpu"``).
@@ -383,6 +483,19 @@ def offload_weights(
             ``prefetch + 1`` slots.
         blocks: the modules to stream as blocks (default: None, each layer of a ModuleList of
             repeated layers, and each other module with parameters of its own).
+        placement: where a block that is not resident on the GPU runs (default: ``"stream"``,
+            copied to the GPU's ring and run there): ``"cpu"``, run on the CPU from its host
+            copy (the hidden states cross instead of the weights; its layer's KV cache stays on
+            the host); ``"auto"``, per call the cheaper of the two by the measured cost model
+            (``python -m offload_adam calibrate``): decode steps on the CPU, long prompts
+            streamed. Embeddings always look their rows up on the host; training always streams.
+        host_budget_gb: with ``storage="nvme"``: GiB of RAM that keeps whole blocks (small blocks
+            first, then layers) instead of reading them from the SSD each time (default: None,
+            none); it must hold the RAM ring of pages read ahead.
+        num_threads: CPU threads of the blocks run on the CPU (default: None, torch's), so that a
+            home server keeps cores for its other services.
+        cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
+            once and cached: see ``offload_adam.runtime.costs``).
 
     Returns:
         The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
@@ -403,9 +516,34 @@ def offload_weights(
         raise ValueError(f"gpu_budget_gb must be a number >= 0 or None, got {gpu_budget_gb!r}")
     if blocks is not None and not isinstance(blocks, (list, tuple)):
         raise TypeError(f"blocks must be a list of modules, got {type(blocks).__name__}")
+    if placement not in PLACEMENTS:
+        raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
+    if host_budget_gb is not None:
+        if not (isinstance(host_budget_gb, (int, float)) and not isinstance(host_budget_gb, bool) and host_budget_gb >= 0):
+            raise ValueError(f"host_budget_gb must be a number >= 0 or None, got {host_budget_gb!r}")
+        if storage != "nvme":
+            raise ValueError(
+                f'host_budget_gb is only used with storage="nvme" (the blocks kept in RAM instead of on the SSD), '
+                f"got storage={storage!r}: with storage='cpu' every weight is in RAM"
+            )
+    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
+        raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+    if cost_model is not None and not isinstance(cost_model, costs.CostModel):
+        raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
-    dev = stream_device(device, "offload_weights streams weights to a GPU")
+    dev = _run_device(device)
     return WeightOffload(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
-        prefetch=prefetch, blocks=list(blocks) if blocks is not None else None,
+        prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,
+        host_budget_gb=host_budget_gb, num_threads=num_threads, cost_model=cost_model,
     )  # fmt: skip
+
+
+def _run_device(device: Any) -> Device:
+    """The device the model runs on: ``device``; by default the simulated device installed in
+    the tests, else the current GPU, else the CPU (:data:`~offload_adam.runtime.device.HOST`)."""
+    if device is None and device_for(torch.device("cpu")) is None and not torch.cuda.is_available():
+        return HOST
+    if device is not None and torch.device(device).type == "cpu" and device_for(torch.device("cpu")) is None:
+        return HOST
+    return stream_device(device, "offload_weights streams weights to a GPU")

@@ -1,10 +1,11 @@
 """The ring: the device slots streamed blocks are copied into, allocated once (vLLM's
 ``StaticBufferPool``).
 
-``min(prefetch + 1, general blocks)`` general slots, each the size of the largest block it
+``min(prefetch + 1, general blocks)`` general slots, each the size of the largest layer it
 serves, and one slot of its own for each block that stays needed while other blocks run (run by
 several modules, as a tied embedding and head; or holding parameters of a module that calls other
-blocks). A slot remembers the event after its last use on the compute stream (``free_event``)
+blocks), or that is larger than a layer and no layer (a head: its slot is made at its first copy,
+so that an embedding looked up on the host never takes one). A slot remembers the event after its last use on the compute stream (``free_event``)
 and its last copy (``copy_event``): the next copy into it waits for both. Nothing is allocated
 afterwards, unless a forward holds more blocks at once than the ring has slots (it grows, with a
 warning).
@@ -43,18 +44,45 @@ class Slot:
         return t
 
 
+def plan(
+    blocks: list[Block], streamed: list[int], own: set[int], prefetch: int, general: bool = True,
+    host_only: set[int] | None = None,
+) -> tuple[int, int, set[int], set[int]]:  # fmt: skip
+    """The ring for ``streamed`` blocks: (bytes of a general slot, general slots, blocks with a
+    slot made at once, blocks with a slot made at their first copy). General slots are sized by
+    the largest layer they serve; a block that is not a layer and is larger (a head, a large
+    embedding) gets a slot of its own, made when it is first copied: an embedding looked up on the
+    host (``host_only``) takes one only if training copies it, and otherwise shares the general
+    slots, which it then never takes for inference. ``general``: False when no call is expected to stream
+    (placement ``"cpu"``): every slot is made on demand."""
+    skip = host_only or set()
+    own = {b for b in own if b in streamed}
+    later = {b for b in own if b in skip}  # looked up on the host: a slot only if training copies it
+    own -= later
+    rest = [b for b in streamed if b not in own and b not in later]
+    layers = [blocks[b].nbytes for b in rest if blocks[b].layer]
+    size = max(layers) if layers else max((blocks[b].nbytes for b in rest), default=0)
+    later |= {b for b in rest if blocks[b].nbytes > size}
+    if not general:
+        return size, 0, set(), later | own
+    return size, min(prefetch + 1, len(rest) - len(later & set(rest))), own, later
+
+
 class Ring:
     """The slots of ``blocks`` streamed on ``device`` (see the module documentation)."""
 
-    def __init__(self, device: Device, meter: Meter, blocks: list[Block], streamed: list[int], own: set[int], prefetch: int) -> None:
+    def __init__(
+        self, device: Device, meter: Meter, blocks: list[Block], streamed: list[int], own: set[int], prefetch: int,
+        general: bool = True, host_only: set[int] | None = None,
+    ) -> None:  # fmt: skip
         self.device = device
         self.meter = meter
         self.blocks = blocks
-        self.own = own
-        general = [b for b in streamed if b not in own]
-        self.slot_bytes = max((blocks[b].nbytes for b in general), default=0)
-        self.slots = [Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(min(prefetch + 1, len(general)))]
-        self.slots += [Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(own)]
+        self.slot_bytes, n, made, self.later = plan(blocks, streamed, own, prefetch, general, host_only)
+        self.own = made | self.later
+        self.on_demand = not general  # no slot planned: each is made when first needed, without a warning
+        self.slots = [Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(n)]
+        self.slots += [Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(made)]
         self._index()
 
     def _index(self) -> None:
@@ -69,15 +97,20 @@ class Ring:
         for s in self.slots:
             if s.block is None and self.serves(s, b):
                 return s
-        return None
+        return self.grow(b) if b in self.later else None
 
     def grow(self, b: int) -> Slot:
-        """A new slot for ``b``: a forward holds more blocks at once than the ring has slots."""
-        size = self.blocks[b].nbytes
-        log.warning(
-            "offload_adam: offload_weights: block %s needed while every slot of the ring is in use; the ring grows by %d bytes",
-            self.blocks[b].name, size,
-        )  # fmt: skip
+        """A new slot for ``b``: its own slot, made at its first copy; a general slot of a ring
+        made on demand; or a forward holds more blocks at once than the ring has slots (with a
+        warning)."""
+        size = self.blocks[b].nbytes if b in self.own else max(self.blocks[b].nbytes, self.slot_bytes)
+        if b in self.later:
+            self.later.discard(b)  # (its own slot from now on)
+        elif not self.on_demand:
+            log.warning(
+                "offload_adam: offload_weights: block %s needed while every slot of the ring is in use; the ring grows by %d bytes",
+                self.blocks[b].name, size,
+            )  # fmt: skip
         slot = Slot(self.device.empty(size, torch.uint8, self.meter), own=b if b in self.own else None)
         if b not in self.own:
             self.slot_bytes = max(self.slot_bytes, size)

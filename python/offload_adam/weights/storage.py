@@ -3,32 +3,26 @@
 :class:`HostWeights`: one allocation of the pinned arena (registered once, exactly the bytes of
 the streamed blocks), each block at its offset; a block is copied to the device straight from it.
 
-:class:`NvmeWeights`: one file in a run directory of the pager (``runtime/pager.py``: its own
-directory and lock, a free-space check, removed on close, at garbage collection and at exit),
-each block a page starting on a 4096-byte boundary (``O_DIRECT``) with a CRC-32C. Pages are read
-by the Rust I/O engine into a ring of ``prefetch + 2`` pinned staging slots, ahead of need; a
-slot is reused once the copy to the device that reads it has completed.
+:class:`NvmeWeights`: one file of the runtime's page store (``runtime/pages.py``: a run
+directory of its own with its lock, a free-space check, removed on close, at garbage collection
+and at exit; a CRC-32C per page, computed and checked on the store's pool, off the caller's
+thread), each block a page starting on a 4096-byte boundary (``O_DIRECT``). Pages are read by
+the Rust I/O engine into a staging ring of ``prefetch + 2`` pinned slots, ahead of need; a slot
+is reused once the copy to the device that reads it has completed (without a device, once the
+block that ran from it has).
 """
 
 from __future__ import annotations
 
-import errno
-import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from .. import _native
 from ..runtime.device import Device
-from ..runtime.pager import ALIGN, RunDir
-from ..runtime.pinned import PinnedArena
+from ..runtime.pages import ALIGN, IoStats, PageStore, StagingRing
+from ..runtime.pinned import PinnedArena, align_up
 from .blocks import TENSOR_ALIGN, Block
-
-
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
 
 
 class HostWeights:
@@ -39,7 +33,7 @@ class HostWeights:
         total = 0
         for b in blocks:
             self.offset[b.index] = total
-            total = _align(total + b.nbytes, TENSOR_ALIGN)
+            total = align_up(total + b.nbytes, TENSOR_ALIGN)
         # Untouched until filled, pinned after (pin()): the fill frees the model's tensors block
         # by block, so the host never holds the model twice, nor zeroes what it is about to fill.
         self.arena = arena
@@ -57,7 +51,7 @@ class HostWeights:
         """Where ``b``'s bytes are written when it is filled (its own place)."""
         return self.view(b)
 
-    def store(self, b: Block) -> None:
+    def store_block(self, b: Block) -> None:
         pass  # filled in place
 
     def read(self, b: Block) -> Tensor:
@@ -87,72 +81,65 @@ class HostWeights:
         pass
 
 
-@dataclass(eq=False)
-class _Staging:
-    buf: Tensor  # pinned, ALIGN-aligned
-    block: int | None = None
-    ticket: Any = None  # the read in flight
-    ready: bool = False  # read and checked
-    event: Any = None  # the device copy that reads it
-
-
 class NvmeWeights:
-    """Streamed blocks in a file on an SSD, read ahead into pinned staging slots (see the
-    module documentation)."""
+    """Streamed blocks in a file of the runtime's page store, read ahead into a staging ring (see
+    the module documentation). ``device``: whose copies consume a staging slot (None: the host
+    runs the block from the slot itself, ``device="cpu"``)."""
 
     FILE = "weights.bin"
 
     def __init__(
-        self, device: Device, arena: PinnedArena, nvme_dir: Any, blocks: list[Block], slots: int, io: str | None = None
-    ) -> None:
+        self, device: Device | None, arena: PinnedArena | None, nvme_dir: Any, blocks: list[Block], slots: int,
+        io: str | None = None,
+    ) -> None:  # fmt: skip
         self.device = device
         self.blocks = {b.index: b for b in blocks}
         self.offset: dict[int, int] = {}
         total = 0
         for b in blocks:
             self.offset[b.index] = total
-            total += _align(b.nbytes, ALIGN)
-        self.run = RunDir(nvme_dir, io=io)
+            total += align_up(b.nbytes, ALIGN)
+        self.store = PageStore(nvme_dir, io=io)
         try:
-            self.run.check_space(total, "offload_weights(storage='nvme')")
-            self.file, self.path = self.run.open(self.FILE, total)
+            self.file = self.store.open(self.FILE, total, "offload_weights(storage='nvme')")
         except BaseException:
-            self.run.close()
+            self.store.close()
             raise
-        self.io = self.run.io
+        self.path = self.file.path
         self.total = total
-        self.crc: dict[int, int] = {}
-        page = max((_align(b.nbytes, ALIGN) for b in blocks), default=ALIGN)
-        self.slots = [_Staging(arena.alloc(page, torch.uint8, align=ALIGN)) for _ in range(slots)]
-        self.stats = {"read_bytes": 0.0, "write_bytes": 0.0, "io_wait_s": 0.0}
+        page = max((align_up(b.nbytes, ALIGN) for b in blocks), default=ALIGN)
+        self.ring = StagingRing(device, arena, slots, page)
+
+    @property
+    def run(self) -> Any:
+        return self.store.run
+
+    @property
+    def io(self) -> Any:
+        return self.store.io
+
+    @property
+    def stats(self) -> IoStats:
+        return self.store.stats
 
     def _what(self, b: Block) -> str:
-        return f"the weights of block {b.index} ({b.name})"
+        return f"the page of block {b.index} ({b.name})"
 
     # -- filling (at offload time) --------------------------------------------------------------
 
     def staging(self, b: Block) -> Tensor:
         """A staging slot to fill with ``b``'s bytes, then :meth:`store`."""
-        s = self._take()
-        s.block, s.ready = b.index, False
-        return s.buf[: b.nbytes]
+        return self.ring.stage(b.index)[: b.nbytes]
 
-    def store(self, b: Block) -> None:
+    def store_block(self, b: Block) -> None:
         """Writes ``b``'s staged bytes to its page (waits), with its CRC."""
-        s = next(s for s in self.slots if s.block == b.index)
-        n = _align(b.nbytes, ALIGN)
-        s.buf[b.nbytes : n].zero_()
-        page = s.buf[:n]
-        self.crc[b.index] = _native.crc32c(page)
-        t0 = time.perf_counter()
+        buf = next(s.buf for s in self.ring.slots if s.key == b.index)
+        n = align_up(b.nbytes, ALIGN)
+        buf[b.nbytes : n].zero_()
         try:
-            self.io.submit([(True, self.file, page, self.offset[b.index])]).wait()
-        except OSError as e:
-            raise OSError(e.errno, f"offload_adam: writing {self._what(b)} to {self.path}: {e.strerror}") from None
+            self.file.write(self.offset[b.index], buf[:n], self._what(b)).wait()
         finally:
-            self.stats["io_wait_s"] += time.perf_counter() - t0
-            s.block = None
-        self.stats["write_bytes"] += n
+            self.ring.drop(b.index)
 
     def pin(self) -> None:
         pass  # the staging slots are pinned already
@@ -160,98 +147,84 @@ class NvmeWeights:
     def read(self, b: Block) -> Tensor:
         """``b``'s bytes, read now (``close``: back to ordinary tensors)."""
         out = self.host(b).clone()
-        for s in self.slots:
-            if s.block == b.index:
-                s.block, s.ready = None, False
+        self.ring.drop(b.index)
         return out
 
     # -- the source interface -------------------------------------------------------------------
 
-    def _take(self) -> _Staging:
-        """A staging slot to read into: a free one, else the one whose device copy was queued
-        first (waited for), else the one read for the block needed last."""
-        dev = self.device
-        for s in self.slots:
-            if s.block is None or (s.event is not None and dev.query(s.event)):
-                break
-        else:
-            queued = [s for s in self.slots if s.event is not None]
-            s = queued[0] if queued else self.slots[-1]
-            if s.event is not None:
-                dev.host_wait(s.event)
-            elif s.ticket is not None:
-                s.ticket.wait()
-        s.block, s.ticket, s.ready, s.event = None, None, False, None
-        return s
-
-    def _submit(self, s: _Staging, b: Block) -> None:
-        n = _align(b.nbytes, ALIGN)
-        s.block, s.ready, s.event = b.index, False, None
-        s.ticket = self.io.submit([(False, self.file, s.buf[:n], self.offset[b.index])])
-        self.stats["read_bytes"] += n
-        # Queued slots move to the back: _take reuses the oldest queued copy first.
-        self.slots.remove(s)
-        self.slots.append(s)
-
     def start(self, b: Block) -> bool:
-        if any(s.block == b.index and s.event is None for s in self.slots):
-            return True  # being read, or read and not yet copied
-        dev = self.device
-        for s in self.slots:
-            if s.block is None or (s.event is not None and dev.query(s.event)):
-                self._submit(s, b)
-                return True
-        return False
+        return self.ring.start(b.index, self.file, self.offset[b.index], b.nbytes, self._what(b))
 
     def host(self, b: Block) -> Tensor:
-        s = next((s for s in self.slots if s.block == b.index and s.event is None), None)
-        if s is None:
-            s = self._take()
-            self._submit(s, b)
-        if not s.ready:
-            t0 = time.perf_counter()
-            try:
-                ticket, s.ticket = s.ticket, None
-                try:
-                    ticket.wait()
-                except OSError as e:
-                    raise OSError(e.errno, f"offload_adam: reading {self._what(b)} from {self.path}: {e.strerror}") from None
-                n = _align(b.nbytes, ALIGN)
-                if _native.crc32c(s.buf[:n]) != self.crc[b.index]:
-                    raise OSError(
-                        errno.EIO, f"offload_adam: {self.path}: {self._what(b)} are corrupted (checksum mismatch)"
-                    )
-            except BaseException:
-                s.block = None
-                raise
-            finally:
-                self.stats["io_wait_s"] += time.perf_counter() - t0
-            s.ready = True
-        return s.buf[: b.nbytes]
+        return self.ring.get(b.index, self.file, self.offset[b.index], b.nbytes, self._what(b))
 
     def done(self, b: Block, event: Any) -> None:
-        for s in self.slots:
-            if s.block == b.index and s.event is None:
-                s.event = event
+        self.ring.done(b.index, event)
 
     def reset(self) -> None:
-        for s in self.slots:
-            if s.ticket is not None:
-                try:
-                    s.ticket.wait()
-                except OSError:
-                    pass
-            if s.event is not None:
-                self.device.host_wait(s.event)
-            s.block, s.ticket, s.ready, s.event = None, None, False, None
+        self.ring.reset()
 
     @property
     def nvme_bytes(self) -> int:
         return self.total
 
     def io_stats(self) -> dict[str, float]:
-        return dict(self.stats)
+        return self.store.stats.as_dict()
 
     def close(self) -> None:
-        self.reset()
-        self.run.close()
+        self.ring.reset()
+        self.store.close()
+
+
+class SplitWeights:
+    """Streamed blocks partly in RAM (``ram``: those ``host_budget_gb`` keeps there) and partly on
+    NVMe (``nvme``: the rest); each call goes to the block's own."""
+
+    def __init__(self, ram: HostWeights, nvme: NvmeWeights, in_ram: set[int]) -> None:
+        self.ram = ram
+        self.nvme = nvme
+        self.in_ram = in_ram
+
+    def _of(self, b: Block) -> HostWeights | NvmeWeights:
+        return self.ram if b.index in self.in_ram else self.nvme
+
+    def view(self, b: Block) -> Tensor | None:
+        return self.ram.view(b) if b.index in self.in_ram else None
+
+    def staging(self, b: Block) -> Tensor:
+        return self._of(b).staging(b)
+
+    def store_block(self, b: Block) -> None:
+        self._of(b).store_block(b)
+
+    def pin(self) -> None:
+        self.ram.pin()
+
+    def read(self, b: Block) -> Tensor:
+        return self._of(b).read(b)
+
+    def start(self, b: Block) -> bool:
+        return self._of(b).start(b)
+
+    def host(self, b: Block) -> Tensor:
+        return self._of(b).host(b)
+
+    def done(self, b: Block, event: Any) -> None:
+        self._of(b).done(b, event)
+
+    def reset(self) -> None:
+        self.nvme.reset()
+
+    @property
+    def stats(self) -> IoStats:
+        return self.nvme.stats
+
+    @property
+    def nvme_bytes(self) -> int:
+        return self.nvme.nvme_bytes
+
+    def io_stats(self) -> dict[str, float]:
+        return self.nvme.io_stats()
+
+    def close(self) -> None:
+        self.nvme.close()

@@ -52,6 +52,7 @@ from ..runtime.schedule import SCHEDULE
 from .blocks import Block
 from .cycle import Cycle
 from .loader import Loader, Source
+from .placement import Placer
 from .ring import Ring, Slot
 
 log = logging.getLogger("offload_adam")
@@ -121,15 +122,21 @@ class Streamer:
         guess: list[int],
         placeholders: dict[int, list[Tensor]],
         homes: dict[int, list[Home]] | None = None,
+        placer: Placer | None = None,
     ) -> None:
         self.device = device
+        self.placer = placer
         self.blocks = blocks
         self.source = source
         self.prefetch = prefetch
         self.streamed = set(streamed)
         self.own = own & self.streamed
         self.homes = homes or {}
-        self.ring = Ring(device, meter, blocks, streamed, self.own, prefetch)
+        on_device = placer is None or placer.on_device
+        self.ring = Ring(
+            device, meter, blocks, streamed if on_device else [], self.own, prefetch,
+            general=placer is None or placer.mode != "cpu", host_only=placer.host_only if placer is not None else None,
+        )  # fmt: skip
         self.loader = Loader(device, blocks, source, placeholders, self.homes)
         self.cycle = Cycle([b for b in guess if b in self.streamed], self.own)
         self.trigger: dict[int, int] = {id(m): b for b in streamed for m in blocks[b].modules}
@@ -149,6 +156,8 @@ class Streamer:
         self.backward = False  # this cycle's backward has started
         self.trained = False  # this cycle had a backward (a step may follow)
         self.loaded: dict[int, _Loaded] = {}
+        self.hosted: set[int] = set()  # blocks running on the CPU from their host bytes now
+        self.decided: dict[int, str] = {}  # id(module) -> where its current call runs
         self.active: dict[int, int] = {}
         self.open: set[int] = set()  # active in the backward until another block is
         self.act_pos: dict[int, int] = {}
@@ -210,6 +219,9 @@ class Streamer:
         cy.next_load = max(cy.next_load, g + 1)
         while cy.next_load <= g + self.prefetch:
             b, p, first, last = cy.at(cy.next_load)
+            if self.placer is not None and self.placer.predict(b) == "cpu":
+                cy.next_load += 1  # it will run from its host bytes: read ahead below, not copied
+                continue
             homes = self.homes.get(b, ())
             if homes and not all(h.ready.is_set() for h in homes):
                 break  # its step has not written it yet: loaded when it is needed
@@ -246,15 +258,44 @@ class Streamer:
 
     # -- activations ----------------------------------------------------------------------------
 
-    def _acquire(self, b: int, at: int | None = None) -> _Loaded:
+    def _where(self) -> str:
+        """Where an activation not decided by the placer runs (a read by another module, a
+        backward): on the device, unless there is none."""
+        return "cpu" if self.placer is not None and not self.placer.on_device else "stream"
+
+    def _host(self, b: int, pos: int, planned: bool) -> None:
+        """Block ``b`` runs on the CPU: its parameters := views of its host bytes (the pinned
+        copy, or the staging slot its page is read into), once its host copies are not being
+        written."""
+        blk = self.blocks[b]
+        for h in self.homes.get(b, ()):
+            h.ready.wait()
+        if b not in self.active:
+            try:
+                host = self.source.host(blk)
+            except BaseException:
+                self._fault()
+                raise
+            self.loader.point_host(b, host)
+            self.hosted.add(b)
+        self.active[b] = self.active.get(b, 0) + 1
+        self.act_pos[b] = self.cycle.abs(pos)
+        if planned:
+            self._prefetch(self.cycle.instance(pos)[0])
+
+    def _acquire(self, b: int, at: int | None = None, where: str | None = None) -> _Loaded | None:
         """Block ``b`` is needed now (a new position of the cycle): loaded if it is not (or if
         what is loaded is stale), the compute stream waiting for its copy, its parameters views
         of its slot; the instances ahead queued. ``at``: the position of the cycle it belongs to,
-        if not the next one (a read found mid-way belongs where its module started)."""
+        if not the next one (a read found mid-way belongs where its module started). ``where``:
+        ``"cpu"``, it runs from its host bytes instead (see ``placement.py``)."""
         self.in_cycle = True
         pos, planned, diverged = self.cycle.advance(b, at)
         if diverged:
             self._cancel()
+        if (where or self._where()) == "cpu" and b not in self.active or b in self.hosted:
+            self._host(b, pos, planned)
+            return None
         ld = self.loaded.get(b)
         if ld is not None and b not in self.active and ld.versions != self.loader.versions(b):
             self.loaded.pop(b).slot.block = None  # copied before its host copies were written
@@ -285,6 +326,10 @@ class Streamer:
         (after the work queued so far) at its instance's last activation."""
         del self.active[b]
         self.loader.point(b, None)
+        if b in self.hosted:
+            self.hosted.discard(b)
+            self.source.done(self.blocks[b], None)  # the host is done with its bytes (a staging slot reusable)
+            return
         ld = self.loaded.get(b)
         if ld is None:
             return
@@ -296,13 +341,13 @@ class Streamer:
             ld.slot.block = None
             del self.loaded[b]
 
-    def activate(self, b: int, at: int | None = None) -> None:
+    def activate(self, b: int, at: int | None = None, where: str | None = None) -> None:
         """A forward activation (from a module's pre-hook), ended by :meth:`deactivate`."""
         if self.backward and not _in_backward():
             self._end_backward()  # a forward after a backward whose end was not seen
         if torch.is_grad_enabled():
             self.graph = True
-        self._acquire(b, at)
+        self._acquire(b, at, where)
 
     def deactivate(self, b: int) -> None:
         n = self.active.get(b, 0)
@@ -446,9 +491,14 @@ class Streamer:
             self.cache_state.setdefault(id(module), []).append(torch.is_autocast_cache_enabled())
             torch.set_autocast_cache_enabled(False)
             if _in_backward():
+                self.decided[id(module)] = self._where()
                 self._bwd_activate(b)  # a checkpointed block, recomputed
             else:
-                self.activate(b)
+                where = self._where()
+                if self.placer is not None:
+                    where = self.placer.decide(b, module, SCHEDULE.call_args(), torch.is_grad_enabled())
+                self.decided[id(module)] = where
+                self.activate(b, where=where)
             if torch.is_grad_enabled():
                 self._push_hooks()
                 self.pushed[id(module)] = self.pushed.get(id(module), 0) + 1

@@ -1,0 +1,483 @@
+"""The page store: bytes kept on an SSD for every client of the runtime (the optimizer's state,
+the weights, the activations), through one set of rules.
+
+A :class:`PageStore` is one run directory (:class:`RunDir`, ``offload-adam-run-<host>-<pid>-<random>``
+under a user's ``nvme_dir``: locked while it lives, the free-space check, removal at ``close()``,
+garbage collection and interpreter exit; a directory left by a killed run is reported and never
+reused: :func:`stale_runs`, :func:`remove_stale_runs`) and
+the I/O engine of its files (io_uring or a thread pool, ``O_DIRECT``), with one :class:`IoStats`.
+Its files (:class:`PageFile`) are written and read in ranges whose offsets, lengths and buffers
+sit on 4 KiB (``ALIGN``). Each range written gets a CRC-32C, computed on the store's pool of two
+threads beside the write (the memory does not change until the write has completed); each range
+read is waited for and checked on that pool too, so that a range read ahead is verified while
+the caller works on the one before. A mismatch, or an I/O error, is an ``OSError`` naming the
+file and what the range holds, raised from :meth:`Transfer.wait`.
+
+A :class:`StagingRing` reads ranges ahead into a ring of pinned host slots, each slot reused once
+the device copy (or the host work) that consumed it has completed: the read-ahead of the weights
+streamed from NVMe (to the GPU's ring, or run on the CPU from the slot itself). Write-behind is
+each client's own policy over :meth:`PageFile.write` (how many writes it keeps in flight).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import logging
+import os
+import shutil
+import socket
+import time
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import _native
+from .device import Device
+from .pinned import PinnedArena, align_up
+
+log = logging.getLogger("offload_adam")
+
+ALIGN = 4096  # bytes: O_DIRECT alignment of buffers, lengths and file offsets
+RUN_PREFIX = "offload-adam-run-"
+LOCK = "LOCK"
+
+
+def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
+    """``n`` elements of untouched host memory starting on an ``ALIGN`` boundary."""
+    es = torch.empty((), dtype=dtype).element_size()
+    extra = ALIGN // es
+    raw = torch.empty(n + extra, dtype=dtype)
+    skip = (-raw.data_ptr() % ALIGN) // es
+    return raw[skip : skip + n]
+
+
+# -- run directories ------------------------------------------------------------------------------
+
+
+def _lock(path: str) -> Any:
+    """An exclusive lock on ``path`` (kept while the returned file is open), or None if another
+    process holds it."""
+    f = open(path, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.close()
+        return None
+    return f
+
+
+def stale_runs(nvme_dir: str) -> list[str]:
+    """Run directories under ``nvme_dir`` whose process is gone (killed before it could clean
+    up): nobody holds their lock.
+
+    Args:
+        nvme_dir: the directory given to ``AdamW(offload="nvme", nvme_dir=...)``,
+            ``offload_weights(storage="nvme", nvme_dir=...)`` or ``offload_activations``.
+    """
+    out = []
+    try:
+        names = sorted(os.listdir(nvme_dir))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = os.path.join(nvme_dir, name)
+        if not name.startswith(RUN_PREFIX) or not os.path.isdir(path):
+            continue
+        f = _lock(os.path.join(path, LOCK))
+        if f is not None:
+            f.close()
+            out.append(path)
+    return out
+
+
+def remove_stale_runs(nvme_dir: str) -> list[str]:
+    """Removes the run directories left under ``nvme_dir`` by killed runs (see ``stale_runs``);
+    live runs are never touched. Returns the paths removed.
+
+    Args:
+        nvme_dir: the directory the runs were made under.
+    """
+    removed = []
+    for path in stale_runs(nvme_dir):
+        f = _lock(os.path.join(path, LOCK))
+        if f is None:  # taken since
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            f.close()
+    return removed
+
+
+def _cleanup(path: str, lock: Any, io: Any) -> None:
+    del io  # its files are closed when the last reference goes
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(Exception):
+        lock.close()
+
+
+class RunDir:
+    """One run's directory under ``nvme_dir`` and the I/O engine of its files (see the module
+    documentation). ``what`` names the argument in errors (``nvme_dir``)."""
+
+    def __init__(self, nvme_dir: Any, *, io: str | None = None, what: str = "nvme_dir") -> None:
+        if not isinstance(nvme_dir, (str, os.PathLike)):
+            raise TypeError(f"{what} must be a path, got {type(nvme_dir).__name__}")
+        nvme_dir = os.fspath(nvme_dir)
+        if not os.path.isdir(nvme_dir):
+            raise ValueError(f"{what}: {nvme_dir!r} is not a directory")
+        self.nvme_dir = nvme_dir
+        stale = stale_runs(nvme_dir)
+        if stale:
+            log.warning(
+                "offload_adam: %d run director%s under %s left by killed runs (%s); they are not reused. "
+                "Remove them with offload_adam.remove_stale_runs(%r)",
+                len(stale), "y" if len(stale) == 1 else "ies", nvme_dir, ", ".join(map(os.path.basename, stale)), nvme_dir,
+            )  # fmt: skip
+        name = f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.path = os.path.join(nvme_dir, name)
+        os.mkdir(self.path, 0o700)
+        lock = _lock(os.path.join(self.path, LOCK))
+        if lock is None:  # pragma: no cover - a fresh unique directory
+            raise RuntimeError(f"{self.path}: locked by another process")
+        self.io = _native.IoEngine(io)
+        self._finalizer = weakref.finalize(self, _cleanup, self.path, lock, self.io)
+
+    def check_space(self, need: int, what: str) -> None:
+        """Raises ENOSPC unless ``need`` more bytes fit on the run's filesystem."""
+        free = shutil.disk_usage(self.path).free
+        if need > free:
+            raise OSError(errno.ENOSPC, f"offload_adam: {what} needs {need} bytes under {self.nvme_dir}, which has {free} free")
+
+    def open(self, name: str, size: int) -> tuple[int, str]:
+        """Creates file ``name`` of ``size`` bytes (allocated); its number and path."""
+        path = os.path.join(self.path, name)
+        return self.io.open(path, size), path
+
+    @property
+    def alive(self) -> bool:
+        return self._finalizer.alive
+
+    def close(self) -> None:
+        """Removes the directory and its files (the caller has waited for its transfers)."""
+        self._finalizer()
+
+
+
+# -- pages ------------------------------------------------------------------------------------------
+
+
+
+
+@dataclass
+class IoStats:
+    """Bytes read and written, and host time waiting for the disk (a CRC check included)."""
+
+    read_bytes: float = 0.0
+    write_bytes: float = 0.0
+    io_wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0.0)
+
+
+def _check_read(ticket: Any, view: Tensor, crc: int | None) -> bool:
+    """On the CRC pool: waits a read; whether its bytes have the CRC written (an I/O error raises
+    from here, to the caller's ``wait``)."""
+    ticket.wait()
+    return crc is None or _native.crc32c(view) == crc
+
+
+def _write_crc(ticket: Any, view: Tensor) -> int:
+    """On the CRC pool: the CRC of what a write is writing (computed beside it), once it has
+    completed (an I/O error raises from here)."""
+    crc = _native.crc32c(view)
+    ticket.wait()
+    return crc
+
+
+class Transfer:
+    """A read or a write of one range in flight (see the module documentation)."""
+
+    def __init__(self, file: PageFile, kind: str, offset: int, nbytes: int, label: str, future: Future[Any]) -> None:
+        self.file = file
+        self.kind = kind
+        self.offset = offset
+        self.nbytes = nbytes
+        self.label = label
+        self._future = future
+        self._finished = False
+
+    def done(self) -> bool:
+        """Completed (checked, for a read); never waits."""
+        return self._finished or self._future.done()
+
+    def wait(self) -> None:
+        """Blocks until the transfer has completed; raises naming the file and the range's
+        contents on an I/O error or (a read) a checksum mismatch."""
+        if self._finished:
+            return
+        f = self.file
+        t0 = time.perf_counter()
+        try:
+            result = self._future.result()
+        except OSError as e:
+            verb = "reading" if self.kind == "read" else "writing"
+            prep = "from" if self.kind == "read" else "to"
+            raise OSError(e.errno, f"offload_adam: {verb} {self.label} {prep} {f.path}: {e.strerror}") from None
+        finally:
+            f.store.stats.io_wait_s += time.perf_counter() - t0
+            self._finished = True
+        if self.kind == "write":
+            f.crc[self.offset] = (self.nbytes, int(result))
+        elif not result:
+            raise OSError(errno.EIO, f"offload_adam: {f.path}: {self.label} is corrupted (checksum mismatch){f.corrupt_hint}")
+
+
+class PageFile:
+    """One file of a :class:`PageStore`, written and read by ranges (see the module
+    documentation). ``corrupt_hint`` ends the message of a checksum mismatch (what to do)."""
+
+    def __init__(self, store: PageStore, fid: int, path: str, size: int, corrupt_hint: str) -> None:
+        self.store = store
+        self.fid = fid
+        self.path = path
+        self.size = size
+        self.corrupt_hint = corrupt_hint
+        self.crc: dict[int, tuple[int, int]] = {}  # offset -> (bytes, CRC-32C) of what was written there
+
+    def written(self, offset: int) -> bool:
+        """Whether a range starting at ``offset`` was written (its CRC known)."""
+        return offset in self.crc
+
+    def forget(self, offset: int) -> None:
+        """The range at ``offset`` holds nothing any more (its space reused)."""
+        self.crc.pop(offset, None)
+
+    def write(self, offset: int, data: Tensor, label: str) -> Transfer:
+        """Queues the write of ``data`` (aligned host memory, unchanged until the write has
+        completed) at ``offset``; its CRC is computed beside it and known once it completes."""
+        n = data.numel() * data.element_size()
+        self.crc.pop(offset, None)
+        ticket = self.store.io.submit([(True, self.fid, data, offset)])
+        self.store.stats.write_bytes += n
+        return Transfer(self, "write", offset, n, label, self.store._pool.submit(_write_crc, ticket, data))
+
+    def read(self, offset: int, into: Tensor, label: str) -> Transfer:
+        """Queues the read of the range at ``offset`` into ``into`` (aligned host memory), checked
+        against the CRC of what was written there (a range never written is read unchecked)."""
+        n = into.numel() * into.element_size()
+        known = self.crc.get(offset)
+        crc = known[1] if known is not None and known[0] == n else None
+        ticket = self.store.io.submit([(False, self.fid, into, offset)])
+        self.store.stats.read_bytes += n
+        return Transfer(self, "read", offset, n, label, self.store._pool.submit(_check_read, ticket, into, crc))
+
+
+def page_cache_bytes(path: str) -> int:
+    """Bytes of the file at ``path`` that sit in the OS page cache now (``mincore`` over a
+    mapping of it; the mapping itself reads nothing)."""
+    import ctypes
+    import mmap
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path}")
+        try:
+            page = mmap.PAGESIZE
+            vec = (ctypes.c_ubyte * ((size + page - 1) // page))()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path}")
+            return sum(1 for v in bytes(vec) if v & 1) * page
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+class PageStore:
+    """A run directory under ``nvme_dir`` and its files (see the module documentation)."""
+
+    def __init__(self, nvme_dir: Any, *, io: str | None = None, what: str = "nvme_dir", stats: IoStats | None = None) -> None:
+        self.run = RunDir(nvme_dir, io=io, what=what)
+        self.io = self.run.io
+        self.stats = stats if stats is not None else IoStats()  # (a client's own, to outlive the store)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="offload_adam-crc")
+        self.files: list[PageFile] = []
+
+    @property
+    def path(self) -> str:
+        return self.run.path
+
+    @property
+    def alive(self) -> bool:
+        return self.run.alive
+
+    def open(self, name: str, size: int, what: str, *, check: bool = True, corrupt_hint: str = "") -> PageFile:
+        """A new file of ``size`` bytes (allocated now), after checking that the disk has room for
+        it (``what`` names its contents in the error; ``check=False``: the caller checks what it
+        will write)."""
+        if check:
+            self.run.check_space(size, what)
+        fid, path = self.run.open(name, align_up(size, ALIGN))
+        f = PageFile(self, fid, path, size, corrupt_hint)
+        self.files.append(f)
+        return f
+
+    def check_space(self, need: int, what: str) -> None:
+        self.run.check_space(need, what)
+
+    def page_cache_bytes(self) -> int:
+        """Bytes of this store's files in the OS page cache (``O_DIRECT`` keeps it near 0)."""
+        return sum(page_cache_bytes(f.path) for f in self.files if os.path.exists(f.path))
+
+    def close(self) -> None:
+        """Waits for the transfers in flight, then removes the directory and its files."""
+        self._pool.shutdown(wait=True)
+        self.run.close()
+
+
+_DONE = object()  # a slot's consumer was the host, and is done
+
+
+@dataclass(eq=False)
+class _Staged:
+    buf: Tensor  # pinned (or plain, without a device), ALIGN-aligned
+    key: int | None = None
+    transfer: Transfer | None = None  # its read in flight
+    ready: bool = False  # read and checked
+    event: Any = None  # the device copy (or None: the host's own use) that consumed it
+
+
+class StagingRing:
+    """``slots`` buffers of ``slot_bytes`` that ranges are read ahead into (see the module
+    documentation). ``device``: whose events say when a slot's consumer is done (None: the host
+    consumes a slot itself, and gives it back with ``done(key, None)``). Keys are the caller's
+    (a block's index)."""
+
+    def __init__(self, device: Device | None, arena: PinnedArena | None, slots: int, slot_bytes: int) -> None:
+        self.device = device
+        size = align_up(max(slot_bytes, 1), ALIGN)
+        if arena is not None:
+            bufs = [arena.alloc(size, torch.uint8, align=ALIGN) for _ in range(slots)]
+        else:
+            bufs = [aligned_empty(size, torch.uint8) for _ in range(slots)]
+        self.slots = [_Staged(b) for b in bufs]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.buf.numel() for s in self.slots)
+
+    def _consumed(self, s: _Staged) -> bool:
+        if s.event is None:
+            return False
+        return s.event is _DONE or self.device is None or self.device.query(s.event)
+
+    def _wait_consumed(self, s: _Staged) -> None:
+        if s.event is not None and s.event is not _DONE and self.device is not None:
+            self.device.host_wait(s.event)
+
+    def take(self) -> _Staged:
+        """A slot to read (or stage) into: a free one, else the one whose consumer was queued
+        first (waited for), else the one read for the range needed last."""
+        for s in self.slots:
+            if s.key is None or self._consumed(s):
+                break
+        else:
+            queued = [s for s in self.slots if s.event is not None]
+            s = queued[0] if queued else self.slots[-1]
+            if s.event is not None:
+                self._wait_consumed(s)
+            elif s.transfer is not None:
+                try:
+                    s.transfer.wait()
+                except OSError:
+                    pass  # read for a range now dropped: its error is its reader's, if any
+        s.key, s.transfer, s.ready, s.event = None, None, False, None
+        return s
+
+    def _submit(self, s: _Staged, key: int, file: PageFile, offset: int, nbytes: int, label: str) -> None:
+        n = align_up(nbytes, ALIGN)
+        s.key, s.ready, s.event = key, False, None
+        s.transfer = file.read(offset, s.buf[:n], label)
+        # Slots read move to the back: take() reuses the oldest consumed one first.
+        self.slots.remove(s)
+        self.slots.append(s)
+
+    def start(self, key: int, file: PageFile, offset: int, nbytes: int, label: str) -> bool:
+        """Starts reading ``key``'s range unless it is read or being read; False: no slot free."""
+        if any(s.key == key and s.event is None for s in self.slots):
+            return True
+        for s in self.slots:
+            if s.key is None or self._consumed(s):
+                self._submit(s, key, file, offset, nbytes, label)
+                return True
+        return False
+
+    def get(self, key: int, file: PageFile, offset: int, nbytes: int, label: str) -> Tensor:
+        """``key``'s bytes in a slot (read now if not ahead; waits for the read and its check)."""
+        s = next((s for s in self.slots if s.key == key and s.event is None), None)
+        if s is None:
+            s = self.take()
+            self._submit(s, key, file, offset, nbytes, label)
+        if not s.ready:
+            tr, s.transfer = s.transfer, None
+            try:
+                assert tr is not None
+                tr.wait()
+            except BaseException:
+                s.key = None
+                raise
+            s.ready = True
+        return s.buf[:nbytes]
+
+    def done(self, key: int, event: Any) -> None:
+        """The consumer of ``key``'s slot completes at ``event`` (None, without a device: now)."""
+        for s in self.slots:
+            if s.key == key and s.event is None:
+                s.event = event if event is not None else _DONE
+
+    def stage(self, key: int) -> Tensor:
+        """A slot to fill by hand (then written by the caller); given back by :meth:`drop`."""
+        s = self.take()
+        s.key, s.ready = key, False
+        return s.buf
+
+    def drop(self, key: int) -> None:
+        """Forgets ``key``'s slot (its bytes are not wanted any more)."""
+        for s in self.slots:
+            if s.key == key:
+                s.key, s.ready, s.event = None, False, None
+
+    def reset(self) -> None:
+        """After a fault: waits what is in flight and forgets every slot."""
+        for s in self.slots:
+            if s.transfer is not None:
+                try:
+                    s.transfer.wait()
+                except OSError:
+                    pass
+            self._wait_consumed(s)
+            s.key, s.transfer, s.ready, s.event = None, None, False, None

@@ -1,0 +1,227 @@
+"""Placement: where each call of a streamed block runs.
+
+- ``"stream"`` (the default): its bytes are copied into the device's ring and it runs there.
+- ``"cpu"``: it runs on the CPU from its host bytes (the pinned copy, or the RAM staging slot an
+  NVMe page is read into); the call's tensors cross to the host before it and its outputs back
+  after: at decode, the hidden states (kilobytes) instead of the block's weights. A decoder
+  layer that runs on the CPU keeps its KV cache on the host.
+- ``"auto"``: per call, the cheaper of the two by the cost model (``runtime/costs.py``) for the
+  call's rows: a decode step runs on the CPU where the host reads faster than PCIe carries, a
+  long prompt streams. A layer whose KV cache a prompt wrote on the device moves it to the host
+  when it first decodes there (counted: ``kv_bytes``).
+
+For inference an embedding looks its rows up where its weights are, whatever the placement: only
+the rows a call needs cross to the device. With ``device="cpu"`` (or no GPU) every call runs on
+the CPU and nothing is copied. Training (a graph being built, or a backward) always streams, the
+embedding included.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils._pytree import tree_map
+
+from ..runtime.costs import CostModel
+from ..runtime.device import Device, HostDevice
+from .blocks import Block
+
+PLACEMENTS = ("stream", "cpu", "auto")
+
+
+def _first_tensor(args: Any) -> Tensor | None:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a
+    return None
+
+
+def call_shape(args: Any) -> tuple[int, int]:
+    """(rows, rows per sequence) of a block call: its hidden states' rows, and the length of the
+    sequence axis (1: a decode step)."""
+    t = _first_tensor(args)
+    if t is None or t.dim() == 0:
+        return 1, 1
+    if t.dtype in (torch.int64, torch.int32):  # token ids (an embedding's call)
+        return t.numel(), t.shape[-1] if t.dim() >= 1 else 1
+    rows = t.numel() // max(t.shape[-1], 1)
+    return rows, t.shape[-2] if t.dim() >= 2 else 1
+
+
+def host_only_blocks(blocks: list[Block]) -> set[int]:
+    """Blocks that are embeddings only: looked up on the host, never copied to the device."""
+    return {b.index for b in blocks if b.modules and all(isinstance(m, torch.nn.Embedding) for m in b.modules)}
+
+
+class Placer:
+    """Decides each call's placement and counts them by phase (see the module documentation)."""
+
+    def __init__(self, mode: str, blocks: list[Block], cost_model: CostModel | None, on_device: bool) -> None:
+        self.mode = mode if on_device else "cpu"
+        self.blocks = blocks
+        self.cost_model = cost_model
+        self.on_device = on_device
+        self.host_only = host_only_blocks(blocks)
+        self.params = {b.index: sum(e.param.numel() for e in b.entries) for b in blocks}
+        self.dtype = {b.index: b.entries[0].param.dtype if b.entries else torch.float32 for b in blocks}
+        self.last: dict[int, str] = {}
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.counts: dict[str, dict[str, int]] = {"prompt": {"stream": 0, "cpu": 0}, "decode": {"stream": 0, "cpu": 0}}
+
+    def decide(self, b: int, module: torch.nn.Module, args: Any, training: bool) -> str:
+        rows, seq = call_shape(args)
+        if not self.on_device:
+            where = "cpu"
+        elif training:
+            where = "stream"  # its backward runs on the device, its gradient lands there
+        elif isinstance(module, torch.nn.Embedding):
+            where = "cpu"  # a lookup: only its rows cross
+        elif self.mode == "auto":
+            assert self.cost_model is not None
+            where = self.cost_model.choose(self.blocks[b].nbytes, self.params[b], rows, self.dtype[b])
+        else:
+            where = self.mode
+        self.counts["prompt" if seq > 1 else "decode"][where] += 1
+        self.last[b] = where
+        return where
+
+    def predict(self, b: int) -> str:
+        """Where ``b``'s next call will likely run (its last call's place): a block about to run
+        on the CPU is not copied ahead to the device."""
+        if b in self.host_only or not self.on_device:
+            return "cpu"
+        return self.last.get(b, "cpu" if self.mode == "cpu" else "stream")
+
+
+def layer_index(modules: list[torch.nn.Module]) -> int | None:
+    """The decoder layer index of a block (an attention's ``layer_idx``: its KV cache's slot)."""
+    for m in modules:
+        for c in m.modules():
+            idx = getattr(c, "layer_idx", None)
+            if isinstance(idx, int):
+                return idx
+    return None
+
+
+def find_cache(kwargs: dict[str, Any]) -> Any:
+    """The KV cache a layer call is handed (transformers' ``Cache``: its ``layers``), if any."""
+    for v in kwargs.values():
+        if hasattr(v, "layers") and callable(getattr(v, "update", None)) and isinstance(v.layers, list):
+            return v
+    return None
+
+
+class HostCalls:
+    """The module hooks of calls run on the CPU: their tensors to the host before, their outputs
+    back after, the KV cache of their layer kept where the layer runs, the threads bounded, the
+    time counted (``cpu_s``)."""
+
+    def __init__(self, device: Device, blocks: list[Block], decided: dict[int, str], num_threads: int | None) -> None:
+        self.device = device
+        self.moves = not isinstance(device, HostDevice)
+        self.blocks = blocks
+        self.decided = decided  # id(module) -> where its current call runs (the streamer's)
+        self.num_threads = num_threads
+        self.stack: list[tuple[str, float, int | None]] = []
+        self.kv_side: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
+        self.layer: dict[int, int | None] = {}
+        self.handles: list[Any] = []
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.stats = {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0}
+
+    def attach(self, module: torch.nn.Module, block: int) -> None:
+        self.layer[id(module)] = layer_index([module])
+        self.handles.append(module.register_forward_pre_hook(self._pre, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(self._post, with_kwargs=True, always_call=True))
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    # -- moves ----------------------------------------------------------------------------------
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        dev = self.device
+        out = torch.empty(t.shape, dtype=t.dtype)
+        dev.stream_waits(dev.d2h, dev.record_current())  # after the compute that made it
+        dev.copy_blocking([(out, t)], dev.d2h)
+        return out
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        dev = self.device
+        out = dev.empty(t.numel(), t.dtype).view(t.shape)
+        dev.copy_blocking([(out, t)], dev.h2d_now)
+        return out
+
+    def _on_device(self, t: Tensor) -> bool:
+        return t.device.type != "cpu" or self.device.torch_device.type == "cpu"
+
+    def _kv(self, module: torch.nn.Module, kwargs: dict[str, Any], where: str) -> None:
+        idx = self.layer.get(id(module))
+        cache = find_cache(kwargs) if idx is not None else None
+        if cache is None or idx is None or idx >= len(cache.layers):
+            return
+        sides = self.kv_side.setdefault(cache, {})
+        side = "host" if where == "cpu" else "device"
+        was = sides.get(idx)
+        sides[idx] = side
+        if was is None or was == side:
+            return
+        layer = cache.layers[idx]
+        for attr in ("keys", "values"):
+            t = getattr(layer, attr, None)
+            if isinstance(t, Tensor) and t.numel():
+                moved = self._to_host(t) if side == "host" else self._to_device(t)
+                setattr(layer, attr, moved)
+                self.stats["kv_bytes"] += t.numel() * t.element_size()
+                if hasattr(layer, "device"):
+                    layer.device = moved.device
+
+    def _pre(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
+        where = self.decided.get(id(module), "stream" if self.moves else "cpu")
+        threads = None
+        if where == "cpu" and self.num_threads is not None and torch.get_num_threads() != self.num_threads:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(self.num_threads)
+        self.stack.append((where, time.perf_counter(), threads))
+        if not self.moves:
+            return None
+        self._kv(module, kwargs, where)
+        if where != "cpu":
+            return None
+
+        def host(x: Any) -> Any:
+            if isinstance(x, Tensor) and self._on_device(x):
+                self.stats["hidden_bytes"] += x.numel() * x.element_size()
+                return self._to_host(x)
+            return x
+
+        return tree_map(host, tuple(args)), tree_map(host, kwargs)
+
+    def _post(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+        if not self.stack:
+            return None
+        where, t0, threads = self.stack.pop()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        if where == "cpu" and not any(w == "cpu" for w, _, _ in self.stack):
+            self.stats["cpu_s"] += time.perf_counter() - t0  # (the outermost: a block calling blocks counts once)
+        if where != "cpu" or not self.moves:
+            return None
+
+        def back(x: Any) -> Any:
+            if isinstance(x, Tensor) and x.device.type == "cpu":
+                self.stats["hidden_bytes"] += x.numel() * x.element_size()
+                return self._to_device(x)
+            return x
+
+        return tree_map(back, out)

@@ -16,6 +16,7 @@ pub mod io;
 pub mod isa;
 pub mod kernel;
 pub mod layout;
+pub mod linear;
 pub mod pool;
 pub mod window;
 

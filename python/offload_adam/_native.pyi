@@ -26,6 +26,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "qmap",
+    "linear",
 ]
 
 CHUNK: int
@@ -105,6 +106,16 @@ def simd_paths() -> list[str]: ...
 def quantize(src: Tensor, codes: Tensor, absmax: Tensor, *, signed: bool, fp8: bool = False) -> None: ...
 def dequantize(codes: Tensor, absmax: Tensor, out: Tensor, *, signed: bool, fp8: bool = False) -> None: ...
 def qmap(*, signed: bool) -> list[float]: ...
+def linear(
+    x: Tensor,
+    weight: Tensor,
+    scale: Tensor | None = None,
+    bias: Tensor | None = None,
+    *,
+    out: Tensor,
+    num_threads: int = 1,
+    simd: str | None = None,
+) -> None: ...
 
 @final
 class IoTicket:

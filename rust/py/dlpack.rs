@@ -492,8 +492,11 @@ pub struct Torch {
     pub bfloat16: Py<PyAny>,
     pub float16: Py<PyAny>,
     pub complex64: Py<PyAny>,
+    pub int8: Py<PyAny>,
+    pub float8_e4m3fn: Py<PyAny>,
     pub strided: Py<PyAny>,
     pub view_as_real: Py<PyAny>,
+    pub tensor: Py<PyAny>,
 }
 
 pub fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
@@ -505,8 +508,11 @@ pub fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
             bfloat16: t.getattr("bfloat16")?.unbind(),
             float16: t.getattr("float16")?.unbind(),
             complex64: t.getattr("complex64")?.unbind(),
+            int8: t.getattr("int8")?.unbind(),
+            float8_e4m3fn: t.getattr("float8_e4m3fn")?.unbind(),
             strided: t.getattr("strided")?.unbind(),
             view_as_real: t.getattr("view_as_real")?.unbind(),
+            tensor: t.getattr("Tensor")?.unbind(),
         })
     })
 }
@@ -670,6 +676,190 @@ fn grad_info(g: &Bound<'_, PyAny>, spec: &GradSpec<'_>, t: &Torch) -> PyResult<G
         )));
     }
     Ok(GradInfo { ptr, dtype })
+}
+
+/// The elements of a [`HostView`], by dtype.
+pub enum Elems<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [Bf16]),
+    F16(&'a [F16]),
+    I8(&'a [i8]),
+    /// float8_e4m3fn bit patterns.
+    F8E4M3(&'a [u8]),
+}
+
+/// A contiguous CPU tensor checked through its own methods (dtype, layout, device, contiguity,
+/// data pointer): no DLPack export, which costs microseconds per tensor and knows no float8. The
+/// linear kernel's calls read three to five tensors, at decode dozens of calls per token.
+/// `'a` borrows the tensor: its storage lives as long as the view.
+pub struct HostView<'a, 'py> {
+    _tensor: &'a Bound<'py, PyAny>,
+    ptr: usize,
+    dtype: ViewDType,
+    pub shape: Vec<usize>,
+    pub numel: usize,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum ViewDType {
+    F32,
+    Bf16,
+    F16,
+    I8,
+    F8E4M3,
+}
+
+impl ViewDType {
+    fn size(self) -> usize {
+        match self {
+            ViewDType::F32 => 4,
+            ViewDType::Bf16 | ViewDType::F16 => 2,
+            ViewDType::I8 | ViewDType::F8E4M3 => 1,
+        }
+    }
+}
+
+impl<'a, 'py> HostView<'a, 'py> {
+    /// Checks `t` (a plain tensor or a Parameter: a wrapper subclass has no memory of its own);
+    /// errors name it `name`.
+    pub fn new(t: &'a Bound<'py, PyAny>, name: &str) -> PyResult<HostView<'a, 'py>> {
+        let py = t.py();
+        let tc = torch(py)?;
+        if !t.is_instance(tc.tensor.bind(py))? {
+            return Err(type_error(format!(
+                "{name}: expected a torch.Tensor, got {}",
+                t.get_type().name()?
+            )));
+        }
+        let dt = t.getattr(intern!(py, "dtype"))?;
+        let dtype = if dt.is(&tc.float32) {
+            ViewDType::F32
+        } else if dt.is(&tc.bfloat16) {
+            ViewDType::Bf16
+        } else if dt.is(&tc.float16) {
+            ViewDType::F16
+        } else if dt.is(&tc.int8) {
+            ViewDType::I8
+        } else if dt.is(&tc.float8_e4m3fn) {
+            ViewDType::F8E4M3
+        } else {
+            return Err(type_error(format!("{name}: unsupported dtype {dt}")));
+        };
+        if !t.getattr(intern!(py, "is_cpu"))?.is_truthy()? {
+            let dev = t.getattr(intern!(py, "device"))?;
+            return Err(value_error(format!(
+                "{name}: is on {dev}; the kernel needs it on the CPU"
+            )));
+        }
+        if !t.getattr(intern!(py, "layout"))?.is(&tc.strided) {
+            return Err(value_error(format!("{name}: must be a strided (dense) tensor")));
+        }
+        if !t.call_method0(intern!(py, "is_contiguous"))?.is_truthy()? {
+            return Err(value_error(format!(
+                "{name}: must be contiguous (strides {})",
+                t.call_method0(intern!(py, "stride"))?
+            )));
+        }
+        let shape: Vec<usize> = t.getattr(intern!(py, "shape"))?.extract()?;
+        let numel = shape.iter().product();
+        let ptr = if numel == 0 { 0 } else { data_ptr(t)? };
+        if numel > 0 && (ptr == 0 || !ptr.is_multiple_of(dtype.size())) {
+            return Err(value_error(format!(
+                "{name}: data pointer {ptr:#x} is null or not aligned to its elements (a tensor subclass without memory of its own?)"
+            )));
+        }
+        Ok(HostView {
+            _tensor: t,
+            ptr,
+            dtype,
+            shape,
+            numel,
+        })
+    }
+
+    /// Byte range `[start, end)`.
+    pub fn range(&self) -> (usize, usize) {
+        (self.ptr, self.ptr + self.numel * self.dtype.size())
+    }
+
+    /// The elements, read-only.
+    pub fn elems(&self) -> Elems<'a> {
+        let n = self.numel;
+        if n == 0 {
+            return match self.dtype {
+                ViewDType::F32 => Elems::F32(&[]),
+                ViewDType::Bf16 => Elems::Bf16(&[]),
+                ViewDType::F16 => Elems::F16(&[]),
+                ViewDType::I8 => Elems::I8(&[]),
+                ViewDType::F8E4M3 => Elems::F8E4M3(&[]),
+            };
+        }
+        let p = self.ptr;
+        // SAFETY: `new` read dtype, shape, contiguity, device and a non-null aligned data pointer
+        // from the tensor itself, whose borrow ('a) keeps its storage alive: `numel` elements of
+        // the dtype at `p`. Read-only; writes by this call go only to a [`HostViewMut`] checked
+        // disjoint from every view read (`HostViewMut::new`).
+        unsafe {
+            match self.dtype {
+                ViewDType::F32 => Elems::F32(std::slice::from_raw_parts(p as *const f32, n)),
+                ViewDType::Bf16 => Elems::Bf16(std::slice::from_raw_parts(p as *const Bf16, n)),
+                ViewDType::F16 => Elems::F16(std::slice::from_raw_parts(p as *const F16, n)),
+                ViewDType::I8 => Elems::I8(std::slice::from_raw_parts(p as *const i8, n)),
+                ViewDType::F8E4M3 => Elems::F8E4M3(std::slice::from_raw_parts(p as *const u8, n)),
+            }
+        }
+    }
+}
+
+/// The elements of a [`HostViewMut`], by dtype (the kernel's outputs).
+pub enum ElemsMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [Bf16]),
+}
+
+/// A [`HostView`] written by a call: float32 or bfloat16, sharing no byte with the views the
+/// call reads.
+pub struct HostViewMut<'a, 'py>(HostView<'a, 'py>);
+
+impl<'a, 'py> HostViewMut<'a, 'py> {
+    /// `view`, checked disjoint from each of `reads` (`name` in the error).
+    pub fn new(view: HostView<'a, 'py>, reads: &[&HostView<'_, '_>], name: &str) -> PyResult<HostViewMut<'a, 'py>> {
+        let (lo, hi) = view.range();
+        if reads.iter().any(|r| {
+            let (a, b) = r.range();
+            a < hi && lo < b
+        }) {
+            return Err(value_error(format!("{name}: shares memory with an input of the call")));
+        }
+        if !matches!(view.dtype, ViewDType::F32 | ViewDType::Bf16) {
+            return Err(type_error(format!("{name}: dtype must be float32 or bfloat16")));
+        }
+        Ok(HostViewMut(view))
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.0.shape
+    }
+
+    /// The elements, writable; `&mut self` makes this the only slice of the view.
+    pub fn elems_mut(&mut self) -> ElemsMut<'_> {
+        let (p, n) = (self.0.ptr, self.0.numel);
+        if n == 0 {
+            return match self.0.dtype {
+                ViewDType::Bf16 => ElemsMut::Bf16(&mut []),
+                _ => ElemsMut::F32(&mut []),
+            };
+        }
+        // SAFETY: as for `HostView::elems`, and no view the call reads shares a byte with this
+        // one (checked in `new`). (Python code touching the tensor from another thread during
+        // the call races, as with torch's own ops.)
+        unsafe {
+            match self.0.dtype {
+                ViewDType::Bf16 => ElemsMut::Bf16(std::slice::from_raw_parts_mut(p as *mut Bf16, n)),
+                _ => ElemsMut::F32(std::slice::from_raw_parts_mut(p as *mut f32, n)),
+            }
+        }
+    }
 }
 
 /// Row-major strides of `shape`.

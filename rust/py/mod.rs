@@ -3,12 +3,13 @@
 //! `dlpack` imports torch tensors and is the one place where their memory becomes Rust slices;
 //! `convert` maps core errors, SIMD names, thread counts and hyper-parameters; `state_set` is
 //! the host state of a param group and the step; `functions` the module-level functions; `io`
-//! the NVMe tier's I/O engine.
+//! the NVMe tier's I/O engine; `linear` the matmul of a few rows against stored weights.
 
 mod convert;
 mod dlpack;
 mod functions;
 mod io;
+mod linear;
 mod state_set;
 
 use pyo3::prelude::*;
@@ -26,6 +27,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(functions::dequantize, m)?)?;
     m.add_function(wrap_pyfunction!(functions::qmap, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_paths, m)?)?;
+    m.add_function(wrap_pyfunction!(linear::linear, m)?)?;
     m.add_class::<io::IoEngine>()?;
     m.add_class::<io::IoTicket>()?;
     m.add_function(wrap_pyfunction!(io::crc32c, m)?)?;

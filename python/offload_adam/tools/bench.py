@@ -221,6 +221,14 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: activations offloaded, against save_on_cpu and torchtune on a GPU (see activations_bench)",
     )  # fmt: skip
     ap.add_argument(
+        "--linear", action="store_true",
+        help="instead: the CPU matmul of decode (bf16, int8, fp8 weights) against torch and torchao (see linear_bench)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--linear-model", action="store_true",
+        help="--linear: also decode the 4-layer 8B-class model, against llama.cpp where it installs",
+    )  # fmt: skip
+    ap.add_argument(
         "--placement", metavar="DIR",
         help="instead: a model 4x its RAM budget run on the CPU from the SSD under DIR, against it resident and accelerate's disk offload (see placement_bench)",
     )  # fmt: skip
@@ -249,6 +257,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(ares, f, indent=1)
+        return 0
+    if args.linear:
+        from . import linear_bench
+
+        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(lres, f, indent=1, default=str)
         return 0
     if args.train_weights:
         from . import train_weights_bench

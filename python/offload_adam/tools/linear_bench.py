@@ -1,0 +1,375 @@
+"""``python -m offload_adam bench --linear``: the CPU matmul of decode (``weights/hostmatmul.py``)
+against torch and torchao, and the decode of a model against llama.cpp, in the same run.
+
+1. Bandwidth: this machine's read (``sum`` of 512 MiB) and copy rates, the roofline of decode.
+2. Layer: one decode row through the seven matrices of a Llama 8B-class layer (hidden 4096, FFN
+   14336, GQA 32/8 heads: q, k, v, o, gate, up, down), round after round, the contenders' order
+   rotating: torch bf16 ``F.linear``, torchao int8 weight-only (eager), ours bf16, int8 and fp8.
+   Median time per layer, the weights' bytes over that time, the median per-round ratio to torch.
+3. Rows: the crossover, the gate matrix at 1 to 64 rows (ours against torch bf16 and torchao).
+4. Model (``--linear-model``): the issue's 4-layer model (hidden 4096, FFN 14336, vocab 32000,
+   1.1B parameters, random weights), a 64-token prompt then one token at a time, tokens/s: torch
+   bf16, torchao int8 eager, and ours (every ``nn.Linear`` at decode through the kernel) in bf16,
+   int8 and fp8; and llama.cpp (``llama-cpp-python``, where it installs) on the same weights
+   written as GGUF with the ``gguf`` package, bf16 and Q8_0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..weights import hostmatmul as hm
+
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB = 4096, 14336, 32, 8, 32000
+LAYER = {"q": (4096, 4096), "k": (1024, 4096), "v": (1024, 4096), "o": (4096, 4096), "gate": (FFN, 4096), "up": (FFN, 4096), "down": (4096, FFN)}
+
+
+def _median_time(f: Callable[[], object], reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def _interleaved(fns: dict[str, Callable[[], object]], rounds: int, base: str) -> dict[str, dict[str, float]]:
+    """Each round times every contender once, the order rotating; medians and per-round ratios."""
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for f in fns.values():
+        f()  # warm-up
+    for r in range(rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for n in order:
+            t0 = time.perf_counter()
+            fns[n]()
+            times[n].append(time.perf_counter() - t0)
+    out = {}
+    for n in names:
+        ratios = [b / t for b, t in zip(times[base], times[n])]
+        out[n] = {
+            "median_s": statistics.median(times[n]),
+            "min_s": min(times[n]),
+            "max_s": max(times[n]),
+            "speedup_vs_base": statistics.median(ratios),
+        }
+    return out
+
+
+def bandwidth(reps: int = 7) -> dict[str, float]:
+    src = torch.ones(128 << 20)  # 512 MiB
+    dst = torch.empty_like(src)
+    read = src.numel() * 4 / _median_time(src.sum, reps) / 1e9
+    copy = 2 * src.numel() * 4 / _median_time(lambda: dst.copy_(src), reps) / 1e9
+    return {"read_GBps": read, "copy_GBps": copy}
+
+
+def _torchao_int8(w: torch.Tensor) -> torch.nn.Linear | None:
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_  # type: ignore[import-untyped]
+    except Exception as e:  # noqa: BLE001 (a peer that does not install here: said, skipped)
+        print(f"   (skipped torchao: {type(e).__name__}: {e})")
+        return None
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    quantize_(lin, Int8WeightOnlyConfig())
+    return lin
+
+
+def _quantized(w: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """int8 and fp8 codes of ``w`` with per-row scales (what torchao's configs store)."""
+    wf = w.float()
+    amax = wf.abs().amax(1, keepdim=True).clamp_min(1e-12)
+    s8 = amax / 127
+    s_f8 = amax / 448
+    return {
+        "int8": ((wf / s8).round().clamp(-127, 127).to(torch.int8), s8),
+        "fp8": ((wf / s_f8).to(torch.float8_e4m3fn), s_f8),
+    }
+
+
+def layer(rounds: int, threads: int, rows: int = 1) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(0)
+    mats = {k: (torch.randn(n, i, generator=g) * 0.02).to(torch.bfloat16) for k, (n, i) in LAYER.items()}
+    qs = {k: _quantized(w) for k, w in mats.items()}
+    ao = {k: _torchao_int8(w) for k, w in mats.items()}
+    xs = {i: torch.randn(rows, i, generator=g).to(torch.bfloat16) for i in (HIDDEN, FFN)}
+    fns: dict[str, Callable[[], object]] = {
+        "torch bf16 F.linear": lambda: [F.linear(xs[w.shape[1]], w) for w in mats.values()],
+        "ours bf16": lambda: [hm.linear(xs[w.shape[1]], w, num_threads=threads) for w in mats.values()],
+        "ours int8": lambda: [hm.linear(xs[q.shape[1]], q, s, num_threads=threads) for q, s in (v["int8"] for v in qs.values())],
+        "ours fp8": lambda: [hm.linear(xs[q.shape[1]], q, s, num_threads=threads) for q, s in (v["fp8"] for v in qs.values())],
+    }
+    mods = [m for m in ao.values() if m is not None]
+    if len(mods) == len(ao):
+        fns["torchao int8 weight-only (eager)"] = lambda: [m(xs[m.in_features]) for m in mods]
+    with torch.no_grad():
+        res = _interleaved(fns, rounds, "torch bf16 F.linear")
+    params = sum(n * i for n, i in LAYER.values())
+    for name, r in res.items():
+        per = 2 if "bf16" in name else 1
+        r["GBps"] = params * per / r["median_s"] / 1e9
+    return res
+
+
+def crossover(rounds: int, threads: int, rows_list: tuple[int, ...] = (1, 4, 8, 16, 32, 64)) -> dict[int, dict[str, float]]:
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(FFN, HIDDEN, generator=g) * 0.02).to(torch.bfloat16)
+    q, s = _quantized(w)["int8"]
+    ao = _torchao_int8(w)
+    out = {}
+    for rows in rows_list:
+        x = torch.randn(rows, HIDDEN, generator=g).to(torch.bfloat16)
+        fns: dict[str, Callable[[], object]] = {
+            "torch bf16": lambda: F.linear(x, w),
+            "ours bf16": lambda: hm.linear(x, w, num_threads=threads),
+            "ours int8": lambda: hm.linear(x, q, s, num_threads=threads),
+        }
+        if ao is not None:
+            fns["torchao int8"] = lambda: ao(x)
+        with torch.no_grad():
+            res = _interleaved(fns, rounds, "torch bf16")
+        out[rows] = {n: r["median_s"] for n, r in res.items()}
+    return out
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+def _model(layers: int) -> torch.nn.Module:
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=1024,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model: torch.nn.Module = transformers.LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(prev)
+    return model.eval()
+
+
+@contextlib.contextmanager
+def native_forwards(model: torch.nn.Module) -> Iterator[int]:
+    """Every ``nn.Linear`` the kernel reads runs through it at up to ``MAX_ROWS`` rows, torch's
+    forward otherwise; yields how many layers it took."""
+    patched = []
+    for m in model.modules():
+        nl = hm.native_linear(m)
+        if nl is None:
+            continue
+        orig = m.forward
+
+        def fwd(x: torch.Tensor, nl: hm.NativeLinear = nl, orig: Callable[..., torch.Tensor] = orig) -> torch.Tensor:
+            return nl(x) if nl.applies(x) else orig(x)
+
+        m.forward = fwd  # type: ignore[method-assign]
+        patched.append(m)
+    try:
+        yield len(patched)
+    finally:
+        for m in patched:
+            del m.forward
+
+
+def _torch_decoder(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) -> Callable[[], tuple[float, float]]:
+    """Prefill then ``tokens`` single-token steps (greedy); returns (TTFT s, decode s)."""
+    from transformers import DynamicCache
+
+    def run() -> tuple[float, float]:
+        with torch.no_grad():
+            cache = DynamicCache()
+            t0 = time.perf_counter()
+            out = model(prompt, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            t1 = time.perf_counter()
+            for _ in range(tokens):
+                out = model(tok, past_key_values=cache, use_cache=True)
+                tok = out.logits[:, -1:].argmax(-1)
+            return t1 - t0, time.perf_counter() - t1
+
+    return run
+
+
+def _write_gguf(model: Any, path: str, qtype: str) -> None:
+    """The model's weights as a llama.cpp GGUF (architecture llama), bf16 or Q8_0 matrices
+    (quantized by the ``gguf`` package), float32 norms; a placeholder vocabulary."""
+    import gguf  # type: ignore[import-untyped]
+    import numpy as np
+
+    T = gguf.GGMLQuantizationType
+    cfg = model.config
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_context_length(1024)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.MOSTLY_BF16)
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<t{i}>".encode() for i in range(cfg.vocab_size)])
+    w.add_token_scores([0.0] * cfg.vocab_size)
+    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+    def mat(name: str, t: torch.Tensor) -> None:
+        t = t.detach().contiguous()
+        if qtype == "q8_0":
+            w.add_tensor(name, gguf.quants.quantize(t.float().numpy(), T.Q8_0), raw_dtype=T.Q8_0)
+        else:
+            w.add_tensor(name, t.to(torch.bfloat16).view(torch.uint8).numpy(), raw_dtype=T.BF16)
+
+    def vec(name: str, t: torch.Tensor) -> None:
+        w.add_tensor(name, t.detach().float().numpy().astype(np.float32))
+
+    m = model.model
+    mat("token_embd.weight", m.embed_tokens.weight)
+    for i, lay in enumerate(m.layers):
+        a, mlp = lay.self_attn, lay.mlp
+        for key, t in (("attn_q", a.q_proj), ("attn_k", a.k_proj), ("attn_v", a.v_proj), ("attn_output", a.o_proj),
+                       ("ffn_gate", mlp.gate_proj), ("ffn_up", mlp.up_proj), ("ffn_down", mlp.down_proj)):  # fmt: skip
+            mat(f"blk.{i}.{key}.weight", t.weight)
+        vec(f"blk.{i}.attn_norm.weight", lay.input_layernorm.weight)
+        vec(f"blk.{i}.ffn_norm.weight", lay.post_attention_layernorm.weight)
+    vec("output_norm.weight", m.norm.weight)
+    mat("output.weight", model.lm_head.weight)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def _llama_cpp_decoder(path: str, prompt: list[int], tokens: int, threads: int) -> Callable[[], tuple[float, float]]:
+    from llama_cpp import Llama  # type: ignore[import-not-found]
+
+    llm = Llama(model_path=path, n_ctx=256, n_batch=64, n_threads=threads, n_threads_batch=threads, verbose=False)
+    nxt = [(7 * i + 3) % VOCAB for i in range(tokens)]  # the tokens' values do not change the work
+
+    def run() -> tuple[float, float]:
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        t1 = time.perf_counter()
+        for t in nxt:
+            llm.eval([t])
+        return t1 - t0, time.perf_counter() - t1
+
+    return run
+
+
+def model_decode(*, rounds: int, threads: int, layers: int, prompt_len: int, tokens: int, gguf_dir: str | None) -> dict[str, Any]:
+    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
+    bf16 = _model(layers)
+    prompt = torch.randint(3, VOCAB, (1, prompt_len), generator=torch.Generator().manual_seed(2))
+    runs: dict[str, Callable[[], tuple[float, float]]] = {}
+    runs["torch bf16"] = _torch_decoder(bf16, prompt, tokens)
+
+    def ours(model: torch.nn.Module) -> Callable[[], tuple[float, float]]:
+        inner = _torch_decoder(model, prompt, tokens)
+
+        def run() -> tuple[float, float]:
+            with native_forwards(model):
+                return inner()
+
+        return run
+
+    runs["ours bf16"] = ours(bf16)
+    i8 = _model(layers)
+    quantize_(i8, Int8WeightOnlyConfig())
+    runs["torchao int8 weight-only (eager)"] = _torch_decoder(i8, prompt, max(2, tokens // 8))
+    runs["ours int8"] = ours(i8)
+    f8 = _model(layers)
+    quantize_(f8, Float8WeightOnlyConfig())
+    runs["ours fp8"] = ours(f8)
+    notes: list[str] = []
+    tmp = None
+    try:
+        import llama_cpp  # type: ignore[import-not-found]  # noqa: F401
+
+        tmp = tempfile.TemporaryDirectory(dir=gguf_dir)
+        for q in ("bf16", "q8_0"):
+            p = os.path.join(tmp.name, f"model-{q}.gguf")
+            _write_gguf(bf16, p, q)
+            runs[f"llama.cpp {q.upper()}"] = _llama_cpp_decoder(p, prompt[0].tolist(), tokens, threads)
+    except Exception as e:  # noqa: BLE001 (llama.cpp does not install or run here: said, skipped)
+        notes.append(f"llama.cpp not measured: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    steps = {n: (max(2, tokens // 8) if n.startswith("torchao") else tokens) for n in runs}
+    rec: dict[str, list[tuple[float, float]]] = {n: [] for n in runs}
+    for f in runs.values():
+        f()  # warm-up
+    names = list(runs)
+    for r in range(rounds):
+        for n in names[r % len(names) :] + names[: r % len(names)]:
+            rec[n].append(runs[n]())
+    out: dict[str, Any] = {"notes": notes, "results": {}}
+    base = [steps["torch bf16"] / d for _, d in rec["torch bf16"]]
+    for n, vals in rec.items():
+        tps = [steps[n] / d for _, d in vals]
+        out["results"][n] = {
+            "tokens_per_s": statistics.median(tps),
+            "tokens_per_s_range": (min(tps), max(tps)),
+            "ttft_s": statistics.median(t for t, _ in vals),
+            "vs_torch_bf16": statistics.median(a / b for a, b in zip(tps, base)),
+        }
+    for ours_n, peer in (("ours int8", "llama.cpp Q8_0"), ("ours bf16", "llama.cpp BF16")):
+        if peer in rec:
+            per = [(steps[ours_n] / a[1]) / (steps[peer] / b[1]) for a, b in zip(rec[ours_n], rec[peer])]
+            out["results"][ours_n][f"vs_{peer}"] = statistics.median(per)
+    if tmp is not None:
+        tmp.cleanup()
+    return out
+
+
+def run(*, rounds: int, threads: int, model: bool, layers: int = 4, tokens: int = 16, gguf_dir: str | None = None) -> dict[str, Any]:
+    from .. import _native
+
+    print(f"linear bench: {threads} threads, SIMD path {_native.simd_path()}, MAX_ROWS {hm.MAX_ROWS}")
+    res: dict[str, Any] = {"bandwidth": bandwidth()}
+    bw = res["bandwidth"]
+    print(f"  memory: read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s (read + write)")
+    res["layer"] = layer(rounds, threads)
+    print("  one decode row through a Llama 8B-class layer (q k v o gate up down), median of rounds:")
+    for n, r in res["layer"].items():
+        print(
+            f"    {n:<34} {r['median_s'] * 1e3:7.2f} ms ({r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f})  "
+            f"{r['GBps']:5.1f} GB/s of weights  {r['speedup_vs_base']:5.2f}x torch bf16"
+        )
+    res["rows"] = crossover(max(3, rounds // 2), threads)
+    print("  rows of the gate matrix (14336 x 4096), ms:")
+    for rows, r in res["rows"].items():
+        print(f"    {rows:3d} rows: " + "  ".join(f"{n} {t * 1e3:.2f}" for n, t in r.items()))
+    if model:
+        m = model_decode(rounds=max(2, rounds // 2), threads=threads, layers=layers, prompt_len=64, tokens=tokens, gguf_dir=gguf_dir)
+        res["model"] = m
+        print(f"  decode after a 64-token prompt, {layers} layers of hidden 4096 / FFN 14336, vocab 32000:")
+        for n, r in m["results"].items():
+            lo, hi = r["tokens_per_s_range"]
+            print(
+                f"    {n:<34} {r['tokens_per_s']:6.2f} tokens/s ({lo:.2f}-{hi:.2f})  TTFT {r['ttft_s']:.2f} s  "
+                f"{r['vs_torch_bf16']:5.2f}x torch bf16"
+                + "".join(f", {v:.2f}x {k[3:]}" for k, v in r.items() if k.startswith("vs_llama"))
+            )
+        for note in m["notes"]:
+            print(f"    {note}")
+    return res

@@ -1,0 +1,101 @@
+//! `linear`: the matmul of a few rows against bfloat16, int8 or fp8 weights (`crate::linear`),
+//! on the tensors as they are (no copy), checked first: every error names the argument.
+
+use pyo3::prelude::*;
+
+use super::convert::{err, pool, simd_or_default, type_error, value_error};
+use super::dlpack::{Elems, ElemsMut, HostView, HostViewMut};
+use crate::linear::{self as core, Act, ActMut, Scale, Shape, Weight};
+
+fn act<'a>(v: &HostView<'a, '_>, name: &str) -> PyResult<Act<'a>> {
+    match v.elems() {
+        Elems::F32(x) => Ok(Act::F32(x)),
+        Elems::Bf16(x) => Ok(Act::Bf16(x)),
+        _ => Err(type_error(format!("{name}: dtype must be float32 or bfloat16"))),
+    }
+}
+
+/// `out = x @ weight.T * scale + bias` for `x` of shape `(rows, in)` (float32 or bfloat16) and
+/// `weight` of shape `(out, in)`: bfloat16 (no `scale`), or int8 / float8_e4m3fn with `scale`
+/// (float32, bfloat16 or float16; one per output row, any shape of that many elements, or one
+/// for the tensor). `bias` (float32 or bfloat16, `(out,)`) is optional; `out` is `(rows, out)`
+/// in `x`'s dtype and shares no memory with the inputs. Every tensor is a contiguous CPU tensor.
+/// Runs on `num_threads` threads (a pool of that size), GIL released.
+#[pyfunction]
+#[pyo3(signature = (x, weight, scale=None, bias=None, *, out, num_threads=1, simd=None))]
+pub fn linear(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    weight: &Bound<'_, PyAny>,
+    scale: Option<&Bound<'_, PyAny>>,
+    bias: Option<&Bound<'_, PyAny>>,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+    simd: Option<&str>,
+) -> PyResult<()> {
+    let simd = simd_or_default(simd)?;
+    let pool = pool(num_threads)?;
+    let xv = HostView::new(x, "x")?;
+    let wv = HostView::new(weight, "weight")?;
+    let sv = scale.map(|s| HostView::new(s, "scale")).transpose()?;
+    let bv = bias.map(|b| HostView::new(b, "bias")).transpose()?;
+    let (&[rows, k], &[n, kw]) = (xv.shape.as_slice(), wv.shape.as_slice()) else {
+        return Err(value_error(format!(
+            "x and weight must be 2-D, got shapes {:?} and {:?}",
+            xv.shape, wv.shape
+        )));
+    };
+    if kw != k {
+        return Err(value_error(format!(
+            "weight: has {kw} inputs per row, x has {k} (shapes {:?} and {:?})",
+            wv.shape, xv.shape
+        )));
+    }
+    let scale_of = |name: &str| -> PyResult<Scale<'_>> {
+        let s = sv
+            .as_ref()
+            .ok_or_else(|| value_error(format!("scale: required for {name} weights")))?;
+        match s.elems() {
+            Elems::F32(s) => Ok(Scale::F32(s)),
+            Elems::Bf16(s) => Ok(Scale::Bf16(s)),
+            Elems::F16(s) => Ok(Scale::F16(s)),
+            _ => Err(type_error("scale: dtype must be float32, bfloat16 or float16")),
+        }
+    };
+    let w = match wv.elems() {
+        Elems::Bf16(w) => {
+            if sv.is_some() {
+                return Err(value_error("scale: bfloat16 weights take no scale"));
+            }
+            Weight::Bf16(w)
+        }
+        Elems::I8(q) => Weight::Int8 {
+            q,
+            scale: scale_of("int8")?,
+        },
+        Elems::F8E4M3(q) => Weight::Fp8 {
+            q,
+            scale: scale_of("float8_e4m3fn")?,
+        },
+        _ => return Err(type_error("weight: dtype must be bfloat16, int8 or float8_e4m3fn")),
+    };
+    let xa = act(&xv, "x")?;
+    let ba = bv.as_ref().map(|b| act(b, "bias")).transpose()?;
+    let mut reads = vec![&xv, &wv];
+    reads.extend(sv.as_ref());
+    reads.extend(bv.as_ref());
+    let mut ov = HostViewMut::new(HostView::new(out, "out")?, &reads, "out")?;
+    if ov.shape() != [rows, n] {
+        return Err(value_error(format!(
+            "out: shape must be ({rows}, {n}), got {:?}",
+            ov.shape()
+        )));
+    }
+    let o = match ov.elems_mut() {
+        ElemsMut::F32(o) => ActMut::F32(o),
+        ElemsMut::Bf16(o) => ActMut::Bf16(o),
+    };
+    let shape = Shape { rows, k, n };
+    py.detach(|| core::linear(simd, pool.as_deref(), shape, xa, w, ba, o))
+        .map_err(err)
+}

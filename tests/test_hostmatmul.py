@@ -1,0 +1,296 @@
+"""The native matmul of CPU-executed linear layers (``weights/hostmatmul.py``): every kind
+(bfloat16, int8 and fp8 weight-only) on every SIMD path of this CPU against a float64 reference
+within the kernel's stated bound; torchao's int8 and fp8 weight-only ``Linear`` (a real client,
+quantized by ``quantize_``) against its own dequantized matmul; which layers the kernel takes.
+
+The bound, the Rust tests' (``linear::error_bound``): summing ``in`` float32 products in any order,
+then the scale and the bias, errs by at most ``gamma_(in+4) * sum|x w s|`` with
+``gamma_m = m u / (1 - m u)``, ``u = 2^-24``; a bfloat16 output adds half an ulp, ``2^-8 |y|``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from offload_adam import _native
+from offload_adam.weights import hostmatmul as hm
+
+U = 2.0**-24
+
+
+def bound(k: int, abs_sum: torch.Tensor, y64: torch.Tensor, bf16_out: bool) -> torch.Tensor:
+    m = (k + 4) * U
+    f32 = m / (1 - m) * abs_sum
+    return f32 + (y64.abs() + f32) * 2.0**-8 if bf16_out else f32
+
+
+def weights(kind: str, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(stored weight, scale, the weight as float64 with its scale)."""
+    if kind == "bf16":
+        w = (torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16)
+        return w, None, w.double()
+    s = torch.rand(n, 1, generator=g) * 0.01 + 1e-3
+    if kind == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    else:
+        q = (torch.randn(n, k, generator=g) * 100).to(torch.float8_e4m3fn)
+    return q, s, q.double() * s.double()
+
+
+def reference(x: torch.Tensor, w64: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x64 = x.double().reshape(-1, x.shape[-1])
+    y = x64 @ w64.T
+    a = x64.abs() @ w64.abs().T
+    if bias is not None:
+        y, a = y + bias.double(), a + bias.double().abs()
+    return y, a
+
+
+@pytest.mark.parametrize("kind", ["bf16", "int8", "fp8"])
+@pytest.mark.parametrize("rows,k,n", [(1, 4096, 96), (1, 200, 37), (3, 96, 24), (9, 70, 19), (16, 256, 40)])
+def test_every_path_is_within_the_bound_of_float64(kind: str, rows: int, k: int, n: int) -> None:
+    g = torch.Generator().manual_seed(rows * 1000 + k + n)
+    w, s, w64 = weights(kind, n, k, g)
+    x32 = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    for xdt in (torch.float32, torch.bfloat16):
+        x = x32.to(xdt)
+        for b in (None, bias, bias.to(torch.bfloat16)):
+            y64, a = reference(x, w64, b)
+            lim = bound(k, a, y64, xdt == torch.bfloat16)
+            for simd in _native.simd_paths():
+                for threads in (1, 2):
+                    out = torch.full((rows, n), float("nan"), dtype=xdt)
+                    _native.linear(x, w, s, b, out=out, num_threads=threads, simd=simd)
+                    err = (out.double() - y64).abs()
+                    assert bool((err <= lim).all()), (simd, threads, xdt, float((err - lim).max()))
+            y = hm.linear(x, w, s, b, kind)  # type: ignore[arg-type]
+            assert y.dtype == xdt and bool(((y.double() - y64).abs() <= lim).all())
+
+
+def test_paths_agree_bitwise_across_thread_counts_and_leading_dims() -> None:
+    g = torch.Generator().manual_seed(1)
+    w, s, _ = weights("int8", 301, 160, g)
+    x = torch.randn(2, 3, 160, generator=g)
+    one = hm.linear(x, w, s, num_threads=1)
+    assert one.shape == (2, 3, 301)
+    for t in (2, 3):
+        assert torch.equal(hm.linear(x, w, s, num_threads=t), one)
+    assert torch.equal(hm.linear(x.reshape(6, 160), w, s, num_threads=1), one.reshape(6, 301))
+
+
+def test_fp8_nan_codes_give_nan_outputs() -> None:
+    g = torch.Generator().manual_seed(2)
+    w, s, _ = weights("fp8", 8, 64, g)
+    w[3, 10] = float("nan")
+    y = hm.linear(torch.randn(1, 64, generator=g), w, s)
+    assert [bool(v) for v in y[0].isnan()] == [i == 3 for i in range(8)]
+
+
+def test_bad_arguments_are_refused_naming_them_and_write_nothing() -> None:
+    g = torch.Generator().manual_seed(3)
+    w, s, _ = weights("int8", 8, 32, g)
+    x = torch.randn(2, 32, generator=g)
+    out = torch.zeros(2, 8)
+    cases: list[tuple[dict[str, object], type[Exception], str]] = [
+        ({"weight": w.float()}, TypeError, "weight: dtype must be bfloat16, int8 or float8_e4m3fn"),
+        ({"scale": None}, ValueError, "scale: required"),
+        ({"scale": s[:3]}, ValueError, "scale: has 3 elements"),
+        ({"x": x[:, :31].contiguous()}, ValueError, "weight: has 32 inputs per row, x has 31"),
+        ({"x": x.T.contiguous().T}, ValueError, "x: must be contiguous"),
+        ({"bias": torch.zeros(7)}, ValueError, "bias: has 7 elements"),
+        ({"out": torch.zeros(2, 8, dtype=torch.bfloat16)}, TypeError, "out: dtype must be the activations'"),
+        ({"out": torch.zeros(2, 9)}, ValueError, "out: shape must be (2, 8)"),
+        ({"out": x}, ValueError, "out: shares memory with an input"),
+    ]
+    for over, exc, msg in cases:
+        kw: dict[str, object] = {"x": x, "weight": w, "scale": s, "bias": None, "out": out}
+        kw.update(over)
+        with pytest.raises(exc, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            _native.linear(kw["x"], kw["weight"], kw["scale"], kw["bias"], out=kw["out"])  # type: ignore[arg-type]
+        assert bool((out == 0).all())
+    with pytest.raises(ValueError, match="kind: 'fp8' does not match"):
+        hm.linear(x, w, s, kind="fp8")
+    with pytest.raises(TypeError, match="weight: dtype must be"):
+        hm.linear(x, w.float(), s)
+    with pytest.raises(ValueError, match="num_threads"):
+        hm.linear(x, w, s, num_threads=0)
+
+
+def test_the_custom_op_passes_opcheck() -> None:
+    g = torch.Generator().manual_seed(4)
+    for kind in ("bf16", "int8", "fp8"):
+        w, s, _ = weights(kind, 24, 64, g)
+        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+        # test_schema compares inputs before and after with ops float8 lacks on the CPU
+        utils = ("test_faketensor",) if kind == "fp8" else torch.library._OPCHECK_DEFAULT_UTILS
+        args = (x, w, s, torch.randn(24, generator=g), 1)
+        torch.library.opcheck(torch.ops.offload_adam.linear_rows.default, args, test_utils=utils)
+
+
+def test_plain_layers_which_the_kernel_takes() -> None:
+    lin = torch.nn.Linear(64, 16).to(torch.bfloat16)
+    nl = hm.native_linear(lin)
+    assert nl is not None and nl.kind == "bf16"
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert nl.applies(x) and not nl.applies(torch.randn(17, 64, dtype=torch.bfloat16))
+        assert not nl.applies(x.half())
+        y64, a = reference(x, lin.weight.double(), lin.bias)
+        assert bool(((nl(x).double() - y64).abs() <= bound(64, a, y64, True)).all())
+    assert not nl.applies(x)  # grad mode with a weight that wants one
+    assert hm.native_linear(torch.nn.Linear(64, 16)) is None  # float32 weight
+    assert hm.weight_parts(torch.nn.Linear(64, 16).weight) == (
+        "plain torch.float32 weight (the kernel reads bfloat16, int8 or fp8 weights)"
+    )
+    assert hm.native_linear(torch.nn.Conv1d(4, 4, 1)) is None
+
+
+# torchao: a test dependency (requirements-dev.txt); its weight-only configs quantize bf16 Linears.
+quantization = pytest.importorskip("torchao.quantization")
+
+
+def _quantized(config: object, n: int = 96, k: int = 512, bias: bool = True) -> torch.nn.Linear:
+    torch.manual_seed(5)
+    lin = torch.nn.Linear(k, n, bias=bias).to(torch.bfloat16)
+    quantization.quantize_(lin, config)
+    return lin
+
+
+@pytest.mark.parametrize(
+    "config,kind",
+    [
+        ("Int8WeightOnlyConfig", "int8"),
+        ("Float8WeightOnlyConfig", "fp8"),
+    ],
+)
+def test_torchao_weight_only_linear_matches_its_dequantized_matmul(config: str, kind: str) -> None:
+    lin = _quantized(getattr(quantization, config)())
+    assert type(lin.weight) is not torch.nn.Parameter and hasattr(lin.weight, "__tensor_flatten__")
+    nl = hm.native_linear(lin)
+    assert nl is not None and nl.kind == kind
+    parts = hm.weight_parts(lin.weight)
+    assert not isinstance(parts, str)
+    w64 = parts.data.double() * parts.scale.double().reshape(-1, 1)  # type: ignore[union-attr]
+    for rows in (1, 5):
+        x = torch.randn(rows, 512, dtype=torch.bfloat16)
+        with torch.no_grad():
+            ours = nl(x).double()
+            theirs = F.linear(x, lin.weight.dequantize(), lin.bias).double()  # type: ignore[operator]
+            eager = lin(x).double()
+        y64, a = reference(x, w64, lin.bias)
+        lim = bound(512, a, y64, True)
+        assert bool(((ours - y64).abs() <= lim).all())
+        # torchao dequantizes to bfloat16 (each weight rounded: 2^-9 relative) before a bfloat16
+        # matmul that sums in float32 and rounds its output: within lim + 2^-9 sum|x w s| of y64.
+        theirs_lim = lim + 2.0**-9 * a * (1 + 2.0**-8)
+        assert bool(((theirs - y64).abs() <= theirs_lim).all())
+        assert bool(((ours - theirs).abs() <= lim + theirs_lim).all())
+        assert bool(((ours - eager).abs() <= lim + theirs_lim).all())
+
+
+def test_torchao_layers_the_kernel_does_not_take() -> None:
+    lin = _quantized(quantization.Int8WeightOnlyConfig())
+    lin.weight.zero_point.fill_(1)
+    assert hm.weight_parts(lin.weight) == "zero_point is not all zeros (asymmetric quantization)"
+    assert hm.native_linear(lin) is None
+    dyn = _quantized(quantization.Int8DynamicActivationInt8WeightConfig())
+    reason = hm.weight_parts(dyn.weight)
+    assert isinstance(reason, str) and "quantizes the activations too" in reason
+    grouped = _quantized(quantization.Int8WeightOnlyConfig(granularity=quantization.PerGroup(128)))
+    reason = hm.weight_parts(grouped.weight)
+    assert isinstance(reason, str) and reason.startswith("scale of shape (96, 4)")
+
+
+def _tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
+    """A small Llama (grouped-query attention), int8 weight-only. Weights drawn wide (std 0.2):
+    at the default 0.02 a random model's top two bfloat16 logits tie exactly, and no two paths'
+    argmax need agree; here the smallest top-two gap of the bfloat16 model is 0.125 of a largest
+    logit near 7."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.2,
+    )  # fmt: skip
+    torch.manual_seed(6)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    quantization.quantize_(model, quantization.Int8WeightOnlyConfig())
+    return model  # type: ignore[no-any-return]
+
+
+class _Native:
+    """Every Linear of ``model`` run by the kernel while active (a forward hook replacing its output)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.natives = {m: hm.native_linear(m, max_rows=64) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+        assert self.natives and all(n is not None and n.kind == "int8" for n in self.natives.values())
+        self.calls = 0
+
+    def hook(self, m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
+        nl = self.natives[m]
+        assert nl is not None and nl.applies(args[0])
+        self.calls += 1
+        return nl(args[0])
+
+    def __enter__(self) -> _Native:
+        self.handles = [m.register_forward_hook(self.hook) for m in self.natives]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 12) -> tuple[list[int], torch.Tensor]:
+    ids, first = prompt, None
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(ids).logits[:, -1].float()
+            first = logits if first is None else first
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+    assert first is not None
+    return ids[0, prompt.shape[1] :].tolist(), first
+
+
+def test_a_quantized_float32_model_keeps_its_logits_and_greedy_tokens() -> None:
+    """float32 activations: torchao's path dequantizes in float32 too, so the two differ by the
+    order of additions only: logits within 1e-2 (the issue's bound; measured about 1e-6) of the
+    largest logit, the same 12 greedy tokens, one row per step after the prompt."""
+    model = _tiny_llama(torch.float32)
+    prompt = torch.randint(0, 512, (1, 8))
+    want, want_logits = _greedy(model, prompt)
+    with _Native(model) as native:
+        got, got_logits = _greedy(model, prompt)
+    assert native.calls == 12 * len(native.natives)
+    assert got == want
+    assert float((got_logits - want_logits).abs().max()) <= 1e-2 * float(want_logits.abs().max())
+
+
+def test_a_quantized_bfloat16_model_is_as_close_to_float64_as_torchaos_path() -> None:
+    """bfloat16 activations: every bfloat16 rounding of the model (norms, attention, residuals)
+    amplifies the last-bit differences of two paths, which then disagree by about 1% of the
+    largest logit whatever their matmul. Both are measured against the model in float64 over the
+    same dequantized weights: ours (exact weights, one rounding per output) is no farther from it
+    than torchao's (weights rounded to bfloat16 first), and the 12 greedy tokens are the same."""
+    model = _tiny_llama(torch.bfloat16)
+    prompt = torch.randint(0, 512, (1, 16))
+    exact = _tiny_llama(torch.bfloat16)
+    for m in exact.modules():
+        if isinstance(m, torch.nn.Linear):
+            w = m.weight
+            m.weight = torch.nn.Parameter(w.qdata.double() * w.scale.double(), requires_grad=False)  # type: ignore[operator]
+    exact = exact.double()
+    with torch.no_grad():
+        y64 = exact(prompt).logits
+        theirs = model(prompt).logits.double()
+        with _Native(model):
+            ours = model(prompt).logits.double()
+    err_ours, err_theirs = float((ours - y64).abs().max()), float((theirs - y64).abs().max())
+    assert err_ours <= err_theirs, (err_ours, err_theirs)
+    assert err_theirs <= 0.1 * float(y64.abs().max())
+    want, _ = _greedy(model, prompt)
+    with _Native(model):
+        got, _ = _greedy(model, prompt)
+    assert got == want

@@ -7,7 +7,6 @@ Llama with grouped-query attention)."""
 from __future__ import annotations
 
 import copy
-import errno
 import os
 import subprocess
 import sys
@@ -20,7 +19,7 @@ import offload_adam
 from offload_adam import testing
 from offload_adam.runtime.costs import CostModel
 
-from test_weights import budget, gpt2, llama, nvme_dir, prompt, run, weight_bytes  # noqa: F401 (nvme_dir: a fixture)
+from test_weights import budget, fault_and_recover, gpt2, llama, nvme_dir, prompt, run, weight_bytes  # noqa: F401 (nvme_dir: a fixture)
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 
@@ -222,30 +221,7 @@ def test_a_fault_on_the_cpu_path_names_the_file_and_block_and_the_next_call_is_e
     with torch.no_grad():
         want = ref(x).logits
         h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=1)
-        assert torch.equal(model(x).logits, want)
-        src = h.source
-        path = os.path.join(src.run.path, "weights.bin")
-        victim = h.blocks[3]
-        off = src.offset[victim.index]
-        if fault == "eio":
-            src.io.inject_fault("read", errno.EIO, 2)
-            match = r"reading the page of block \d+ \(model\.layers\.\d\) from .*weights\.bin: .*Input/output error"
-        else:
-            with open(path, "r+b") as f:
-                f.seek(off + 100)
-                good = f.read(8)
-                f.seek(off + 100)
-                f.write(b"\x7f" * 8)
-            match = rf"weights\.bin: the page of block {victim.index} \({victim.name}\) is corrupted \(checksum mismatch\)"
-        with pytest.raises(OSError, match=match):
-            for _ in range(3):
-                model(x)
-        if fault == "corrupt":
-            with open(path, "r+b") as f:
-                f.seek(off + 100)
-                f.write(good)
-        for _ in range(2):
-            assert torch.equal(model(x).logits, want)
+        fault_and_recover(h, model, x, want, fault)
     h.close()
     assert os.listdir(nvme_dir) == []
 

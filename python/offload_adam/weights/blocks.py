@@ -9,11 +9,21 @@ once, with several modules that run it.
 
 Inside a block each tensor has an offset aligned to :data:`TENSOR_ALIGN` bytes, so that a block
 is one contiguous run of bytes, on the host as in its device slot, copied in one transfer.
+
+A parameter that is a traceable wrapper subclass (it implements ``__tensor_flatten__`` and
+``__tensor_unflatten__``: torchao's quantized tensors are) is stored as its inner tensors, each
+a part of the block at its own offset, in their own dtype (int8 data and a float32 scale: the
+quantized bytes, never a dequantized copy). The subclass is rebuilt once over device tensors
+(``__tensor_unflatten__``), so that it reports the device it runs on; each load then points its
+inner tensors (the attributes ``__tensor_flatten__`` names) at their views of the slot, as a plain
+parameter's ``.data`` is. A subclass that does not flatten cannot be streamed: an error names
+the parameter and its type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -24,19 +34,141 @@ TENSOR_ALIGN = 256  # bytes: every tensor of a block starts on it (as the cachin
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-@dataclass
-class Entry:
-    """One parameter of a block (under all its names, if it is tied)."""
+def wrapped(t: Tensor) -> bool:
+    """Whether ``t`` is a tensor subclass with tensors of its own (it flattens, or dispatches
+    operators itself): not a plain tensor, nor a parameter (of a subclass that only adds Python
+    attributes)."""
+    cls = type(t)
+    if cls is Tensor or cls is torch.nn.Parameter:
+        return False
+    dispatch = getattr(cls.__torch_dispatch__, "__func__", cls.__torch_dispatch__)
+    return hasattr(cls, "__tensor_flatten__") or dispatch is not torch._C._disabled_torch_dispatch_impl
 
-    param: torch.nn.Parameter
-    names: list[str]
+
+def _dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill their span of memory exactly once (a permutation of a
+    contiguous tensor's strides)."""
+    expect = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+@dataclass
+class Part:
+    """One tensor of a block's bytes: a plain parameter, or an inner tensor of a wrapped one."""
+
+    attr: str | None  # the inner tensor's name (None: the parameter itself)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None  # an inner tensor's, if not contiguous (dense: a permutation)
     offset: int = 0  # bytes from the block's start
     nbytes: int = 0
 
+    @property
+    def numel(self) -> int:
+        return int(torch.Size(self.shape).numel())
+
+    def shaped(self, flat: Tensor) -> Tensor:
+        """``flat`` (its elements, one dimension) seen with its shape and strides."""
+        return flat.view(self.shape) if self.stride is None else flat.as_strided(self.shape, self.stride)
+
     def view(self, base: Tensor) -> Tensor:
-        """This parameter inside ``base``, the block's bytes (a uint8 tensor)."""
+        return self.shaped(base[self.offset : self.offset + self.nbytes].view(self.dtype))
+
+
+
+@dataclass
+class Entry:
+    """One parameter of a block (under all its names, if it is tied), stored as its parts: the
+    parameter itself, or a wrapper subclass's inner tensors."""
+
+    param: torch.nn.Parameter
+    names: list[str]
+    parts: list[Part] = field(default_factory=list)
+    ctx: Any = None  # a wrapper subclass's flatten context
+
+    def __post_init__(self) -> None:
         p = self.param
-        return base[self.offset : self.offset + self.nbytes].view(p.dtype).view(p.shape)
+        if not wrapped(p):
+            self.parts = [Part(None, p.dtype, tuple(p.shape))]
+            return
+        flatten = getattr(p, "__tensor_flatten__", None)
+        if flatten is None or not hasattr(type(p), "__tensor_unflatten__"):
+            raise TypeError(
+                f"{self.names[0]}: a {type(p).__name__} cannot be offloaded: a tensor subclass is streamed as its "
+                "inner tensors, and this one does not implement __tensor_flatten__ and __tensor_unflatten__"
+            )
+        attrs, self.ctx = flatten()
+        for a in attrs:
+            t = getattr(p, a)
+            if wrapped(t) or not _dense(t):
+                raise TypeError(
+                    f"{self.names[0]}: a {type(p).__name__} whose inner tensor {a!r} is a {type(t).__name__} "
+                    "with gaps or overlaps in its memory: only plain, dense inner tensors are streamed"
+                )
+            self.parts.append(Part(a, t.dtype, tuple(t.shape), None if t.is_contiguous() else tuple(t.stride())))
+
+    @property
+    def wrapped(self) -> bool:
+        return self.parts[0].attr is not None
+
+    @property
+    def offset(self) -> int:
+        """Bytes from the block's start to its first part."""
+        return self.parts[0].offset
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its parts span, alignment between them included."""
+        return self.parts[-1].offset + self.parts[-1].nbytes - self.parts[0].offset
+
+    def view(self, base: Tensor) -> Tensor:
+        """This (plain) parameter inside ``base``, the block's bytes (a uint8 tensor)."""
+        assert not self.wrapped, self.names[0]
+        return self.parts[0].view(base)
+
+    def views(self, base: Tensor) -> list[Tensor]:
+        """Its parts inside ``base``, the block's bytes."""
+        return [q.view(base) for q in self.parts]
+
+    def tensors(self) -> list[Tensor]:
+        """Its parts where they are now."""
+        p = self.param.detach() if not self.wrapped else self.param
+        return [p] if not self.wrapped else [getattr(p, q.attr) for q in self.parts]  # type: ignore[arg-type]
+
+    def bind(self, parts: list[Tensor]) -> None:
+        """Points the parameter at ``parts`` (as :meth:`tensors` returns them): a plain one's
+        ``.data``, a wrapped one's inner tensors."""
+        if not self.wrapped:
+            self.param.data = parts[0]
+            return
+        for q, t in zip(self.parts, parts):
+            setattr(self.param, q.attr, t)  # type: ignore[arg-type]
+
+    def attach(self, parts: list[Tensor]) -> None:
+        """:meth:`bind`, where a parameter cannot take new data: one on the meta device
+        (``init_empty_weights``), or a wrapped one moving to another device (the device it
+        reports is fixed at its construction). Its contents are then swapped for a parameter
+        over ``parts``: the object stays, and with it every module holding it and every tie."""
+        p = self.param
+        if p.device.type == "meta" or (self.wrapped and p.device != parts[0].device):
+            torch.utils.swap_tensors(p, self.rebuild(parts))
+        else:
+            self.bind(parts)
+
+    def rebuild(self, parts: list[Tensor], requires_grad: bool | None = None) -> torch.nn.Parameter:
+        """A new parameter of its type over ``parts`` (a wrapped one: the device it reports is
+        theirs)."""
+        p = self.param
+        rg = p.requires_grad if requires_grad is None else requires_grad
+        if not self.wrapped:
+            return torch.nn.Parameter(parts[0], requires_grad=rg)
+        inner = {q.attr: t for q, t in zip(self.parts, parts)}
+        t = type(p).__tensor_unflatten__(inner, self.ctx, p.shape, p.stride())  # type: ignore[attr-defined]
+        return torch.nn.Parameter(t, requires_grad=rg)
 
 
 @dataclass
@@ -54,13 +186,18 @@ class Block:
         forward."""
         return len(self.modules) > 1
 
+    @property
+    def parts(self) -> list[Part]:
+        return [q for e in self.entries for q in e.parts]
+
     def layout(self) -> None:
         off = 0
-        for e in self.entries:
-            e.offset = off
-            e.nbytes = e.param.numel() * e.param.element_size()
-            off = align_up(off + e.nbytes, TENSOR_ALIGN)
-        self.nbytes = self.entries[-1].offset + self.entries[-1].nbytes if self.entries else 0
+        for q in self.parts:
+            q.offset = off
+            q.nbytes = q.numel * torch.empty((), dtype=q.dtype).element_size()
+            off = align_up(off + q.nbytes, TENSOR_ALIGN)
+        last = self.parts[-1] if self.entries else None
+        self.nbytes = last.offset + last.nbytes if last is not None else 0
 
 
 def _repeated(m: torch.nn.Module) -> bool:
@@ -150,7 +287,7 @@ def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = N
     for i, b in enumerate(result):
         b.index = i
         for e in b.entries:
-            if e.param.dtype not in DTYPES:
+            if not e.wrapped and e.param.dtype not in DTYPES:
                 raise TypeError(f"{e.names[0]}: dtype {e.param.dtype} cannot be offloaded (float32, bfloat16, float16)")
         b.layout()
     return result

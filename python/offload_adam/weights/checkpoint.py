@@ -87,7 +87,12 @@ class Checkpoint:
                     missing.append(e.names[0])
                     continue
                 p = e.param
-                if tuple(hit.entry.shape) != tuple(p.shape):
+                if e.wrapped:
+                    bad.append(
+                        f"{e.names[0]!r} is a {type(p).__name__} (a quantized tensor's parts) and {hit.key!r} one "
+                        f"{hit.entry.dtype} tensor: build the model unquantized and pass quantize= to quantize it as it loads"
+                    )
+                elif tuple(hit.entry.shape) != tuple(p.shape):
                     bad.append(
                         f"size mismatch for {hit.key!r}: the checkpoint has {hit.entry.dtype} of shape "
                         f"{tuple(hit.entry.shape)}, the model's parameter {e.names[0]!r} is {p.dtype} of shape {tuple(p.shape)}"

@@ -44,17 +44,22 @@ class Source(Protocol):
         ...
 
 
-def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[int, list[Tensor]]:
-    """What each parameter of ``blocks`` points to outside its block's forward: one NaN of its
-    dtype on the device, expanded to its shape (no memory of its own)."""
-    nan: dict[torch.dtype, Tensor] = {}
-    out: dict[int, list[Tensor]] = {}
+def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[int, list[list[Tensor]]]:
+    """What each parameter of ``blocks`` (each of its parts) points to outside its block's
+    forward: one NaN of its dtype on the device (a zero for integers), expanded to its shape (no
+    memory of its own)."""
+    one: dict[torch.dtype, Tensor] = {}
+    out: dict[int, list[list[Tensor]]] = {}
     for b in blocks:
         ph = []
         for e in b.entries:
-            if e.param.dtype not in nan:
-                nan[e.param.dtype] = device.empty(1, e.param.dtype, meter).fill_(float("nan")).view(())
-            ph.append(nan[e.param.dtype].expand(e.param.shape))
+            parts = []
+            for q in e.parts:
+                if q.dtype not in one:
+                    fill = float("nan") if q.dtype.is_floating_point else 0
+                    one[q.dtype] = device.empty(1, q.dtype, meter).fill_(fill).view(())
+                parts.append(one[q.dtype].expand(q.shape))
+            ph.append(parts)
         out[b.index] = ph
     return out
 
@@ -67,7 +72,7 @@ class Loader:
         device: Device,
         blocks: list[Block],
         source: Source,
-        placeholders: dict[int, list[Tensor]],
+        placeholders: dict[int, list[list[Tensor]]],
         homes: dict[int, list[Home]],
     ) -> None:
         self.device = device
@@ -81,23 +86,23 @@ class Loader:
         """The versions of ``b``'s host copies (an optimizer's step bumps them)."""
         return tuple(h.version for h in self.homes.get(b, ()))
 
-    def views(self, slot: Slot, b: int) -> list[Tensor]:
-        """Block ``b``'s parameters as views of ``slot``."""
+    def views(self, slot: Slot, b: int) -> list[list[Tensor]]:
+        """Block ``b``'s parameters (each as its parts) as views of ``slot``."""
         v = slot.views.get(b)
         if v is None:
-            v = slot.views[b] = [e.view(slot.buf) for e in self.blocks[b].entries]
+            v = slot.views[b] = [e.views(slot.buf) for e in self.blocks[b].entries]
         return v
 
     def point(self, b: int, slot: Slot | None) -> None:
         """Block ``b``'s parameters := views of ``slot`` (None: their placeholders)."""
         views = self.placeholders[b] if slot is None else self.views(slot, b)
         for e, v in zip(self.blocks[b].entries, views):
-            e.param.data = v
+            e.bind(v)
 
     def point_host(self, b: int, host: Tensor) -> None:
         """Block ``b``'s parameters := views of its host bytes ``host`` (it runs on the CPU)."""
         for e in self.blocks[b].entries:
-            e.param.data = e.view(host)
+            e.bind(e.views(host))
 
     def copy(self, b: int, slot: Slot, now: bool) -> Any:
         """Queues the copy of block ``b`` into ``slot``; returns its completion event. Raises

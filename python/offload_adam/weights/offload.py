@@ -17,11 +17,12 @@ from ..runtime import costs
 from ..runtime.device import HOST, Device, HostDevice, Meter, device_for, stream_device
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
-from ..runtime.pinned import PinnedArena, align_up
-from .blocks import Block, find_blocks
+from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
+from .blocks import Block, Entry, find_blocks
 from .checkpoint import Checkpoint
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer, host_only_blocks
+from .quantize import Quantizer, quantize_blocks, quantizer
 from .ring import plan as ring_plan
 from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
@@ -113,20 +114,10 @@ def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
             raise ValueError(f"model: buffer {n} is on the meta device (build with init_empty_weights(include_buffers=False))")
 
 
-def _to_meta(p: torch.nn.Parameter) -> None:
-    """``p`` (the same object, for every module holding it) onto the meta device: its weights are
-    lost, and a read of it fails loudly."""
-    torch.utils.swap_tensors(p, torch.nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), requires_grad=p.requires_grad))
-
-
-def _bind(p: torch.nn.Parameter, data: Tensor) -> None:
-    """Points ``p`` at ``data``; a parameter on the meta device (``init_empty_weights``) cannot
-    take new data, so its contents are swapped for a parameter over ``data``: the object stays,
-    and with it every module holding it and every tie."""
-    if p.device.type == "meta":
-        torch.utils.swap_tensors(p, torch.nn.Parameter(data, requires_grad=p.requires_grad))
-    else:
-        p.data = data
+def _to_meta(e: Entry) -> None:
+    """``e``'s parameter (the same object, for every module holding it) onto the meta device: its
+    weights are lost, and a read of it fails loudly."""
+    torch.utils.swap_tensors(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
 
 
 class WeightOffload:
@@ -147,6 +138,7 @@ class WeightOffload:
         host_budget_gb: float | None = None,
         num_threads: int | None = None,
         cost_model: costs.CostModel | None = None,
+        quantize: Quantizer | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -158,6 +150,9 @@ class WeightOffload:
             # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
             # may come untied, and save_pretrained writes a tied parameter under one name only.
             tie()
+        if quantize is not None:
+            quantize_blocks(model, blocks, checkpoint, quantize)
+            checkpoint = None  # (read: the model is on the host now, quantized)
         self.blocks = find_blocks(model, blocks)
         self.meter = Meter()
         self.arena = PinnedArena(device)
@@ -229,7 +224,7 @@ class WeightOffload:
         for i in streamed:
             b = self.blocks[i]
             host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
-            self.homes[i] = [Home(e.view(host) if host is not None else None, device, b.name) for e in b.entries]
+            self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
             for e, h in zip(b.entries, self.homes[i]):
                 set_home(e.param, h)
         if self.placement == "auto" and cost_model is None:
@@ -268,16 +263,20 @@ class WeightOffload:
                 ck.read_block(b, where, dst)
             else:
                 for e in b.entries:
-                    e.view(dst).copy_(e.param.detach())
+                    for v, t in zip(e.views(dst), e.tensors()):
+                        v.copy_(t)
             if resident:
-                outs = [dev.empty(e.param.numel(), e.param.dtype, self.meter).view(e.param.shape) for e in b.entries]
-                dev.copy_blocking([(o, e.view(dst)) for o, e in zip(outs, b.entries)], dev.h2d)
-                for o, e in zip(outs, b.entries):
-                    _bind(e.param, o)
+                outs = [q.shaped(dev.empty(q.numel, q.dtype, self.meter)) for q in b.parts]
+                dev.copy_blocking([(o, q.view(dst)) for q, o in zip(b.parts, outs)], dev.h2d)
+                k = 0
+                for e in b.entries:
+                    e.attach(outs[k : k + len(e.parts)])
+                    k += len(e.parts)
             else:
                 self.source.store_block(b)
                 for e, ph in zip(b.entries, self.placeholders[b.index]):
-                    _bind(e.param, ph)
+                    e.attach(ph)
+            trim_host_memory()  # (the block's former tensors)
         moved: dict[int, Tensor] = {}
         for m, name, buf in buffers:
             out = moved.get(id(buf))
@@ -381,17 +380,17 @@ class WeightOffload:
             for b in self.blocks:
                 if b.index in self.resident:
                     for e in b.entries:
-                        e.param.data = self._to_host(e.param.detach())
+                        e.attach([self._to_host(t) for t in e.tensors()])
                     continue
                 try:
                     data = self.source.read(b)
                 except OSError as err:
                     lost.append((b.name, err))
                     for e in b.entries:
-                        _to_meta(e.param)
+                        _to_meta(e)
                     continue
                 for e in b.entries:
-                    e.param.data = e.view(data).clone()
+                    e.attach([v.clone() for v in e.views(data)])
             for m in self.model.modules():
                 for name, buf in m._buffers.items():
                     if buf is not None:
@@ -440,6 +439,7 @@ def offload_weights(
     host_budget_gb: float | None = None,
     num_threads: int | None = None,
     cost_model: costs.CostModel | None = None,
+    quantize: Any = None,
 ) -> WeightOffload:
     """Keeps ``model``'s weights on the host and streams them to ``device`` block by block,
     ahead of need, for inference and for training (build the optimizer after this call; the step
@@ -459,8 +459,9 @@ def offload_weights(
         print(h.report()); h.close()                                  # weights back on the host
 
     Args:
-        model: an ``nn.Module`` on the CPU with float32, bfloat16 or float16 parameters (or
-            built with ``accelerate.init_empty_weights()``, with ``checkpoint``).
+        model: an ``nn.Module`` on the CPU with float32, bfloat16 or float16 parameters, or
+            quantized ones (tensor subclasses that flatten, as torchao's); or built with
+            ``accelerate.init_empty_weights()``, with ``checkpoint``.
         device: the device to run on (default: None, the current CUDA device; inside
             ``offload_adam.testing.simulated_device()``, the simulated device; without either,
             the CPU). ``"cpu"``: the whole model runs on the CPU, its blocks from RAM (within
@@ -496,6 +497,13 @@ def offload_weights(
             home server keeps cores for its other services.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
             once and cached: see ``offload_adam.runtime.costs``).
+        quantize: quantize the weights as they load (default: None, as they are): a torchao
+            config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to each block
+            by torchao's ``quantize_``), or a function called with each module of each block. With
+            ``checkpoint``, each block is read in full precision and quantized before the next is
+            read: the host never holds the full-precision model. Quantized parameters (traceable
+            tensor subclasses, as torchao's) are stored and streamed as their inner tensors,
+            whether quantized here or before the call.
 
     Returns:
         The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
@@ -531,11 +539,12 @@ def offload_weights(
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
+    quantize_fn = quantizer(quantize) if quantize is not None else None
     dev = _run_device(device)
     return WeightOffload(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
         prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,
-        host_budget_gb=host_budget_gb, num_threads=num_threads, cost_model=cost_model,
+        host_budget_gb=host_budget_gb, num_threads=num_threads, cost_model=cost_model, quantize=quantize_fn,
     )  # fmt: skip
 
 

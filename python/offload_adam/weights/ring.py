@@ -33,7 +33,7 @@ class Slot:
     block: int | None = None  # the block loaded (or being loaded) into it
     free_event: Any = None  # compute-stream event after the last use of its previous block
     copy_event: Any = None  # the last copy into it (demand loads and prefetches use two streams)
-    views: dict[int, list[Tensor]] = field(default_factory=dict)  # block -> its parameters in this slot
+    views: dict[int, list[list[Tensor]]] = field(default_factory=dict)  # block -> its parameters (their parts) in this slot
     typed: dict[torch.dtype, Tensor] = field(default_factory=dict)  # the slot seen as each dtype
 
     def as_dtype(self, dtype: torch.dtype) -> Tensor:

@@ -49,7 +49,7 @@ from torch import Tensor
 from ..runtime.device import Device, Meter, refuse_capture
 from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
-from .blocks import Block
+from .blocks import Block, wrapped
 from .cycle import Cycle
 from .loader import Loader, Source
 from .placement import Placer
@@ -95,6 +95,16 @@ class _Cast:
 
 
 @dataclass(frozen=True)
+class _Param:
+    """A saved streamed parameter that is a wrapper subclass (a frozen quantized weight a linear
+    saves for its backward): the block is loaded again when it is unpacked."""
+
+    block: int
+    entry: int
+    versions: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _Outer:
     """A saved tensor handed to the saved-tensor hooks that were active outside ours."""
 
@@ -120,7 +130,7 @@ class Streamer:
         prefetch: int,
         meter: Meter,
         guess: list[int],
-        placeholders: dict[int, list[Tensor]],
+        placeholders: dict[int, list[list[Tensor]]],
         homes: dict[int, list[Home]] | None = None,
         placer: Placer | None = None,
     ) -> None:
@@ -422,6 +432,11 @@ class Streamer:
 
         def pack(t: Tensor) -> Any:
             s = me()
+            if wrapped(t):  # (no storage of its own) a streamed parameter: streamed again for the backward
+                where = s.param_entry.get(id(t)) if s is not None else None
+                if s is not None and where is not None and where[0] in s.active:
+                    return _Param(where[0], where[1], s.loader.versions(where[0]))
+                return _Outer(outer[0](t), outer[1]) if outer is not None else t
             slot = s.ring.of_storage(t.untyped_storage().data_ptr()) if s is not None else None
             if s is not None and slot is not None and slot.block is not None and t.device == slot.buf.device:
                 b = slot.block
@@ -436,7 +451,7 @@ class Streamer:
             return t
 
         def unpack(x: Any) -> Tensor:
-            if isinstance(x, (_Token, _Cast)):
+            if isinstance(x, (_Token, _Cast, _Param)):
                 s = me()
                 if s is None:
                     raise RuntimeError("offload_adam: the weights' streamer is gone (offload closed?) before the backward")
@@ -463,16 +478,18 @@ class Streamer:
         b, k = where
         return _Cast(b, k, t.dtype, tuple(t.shape), tuple(t.stride()), int(t.storage_offset()), self.loader.versions(b))
 
-    def _unpack(self, tok: _Token | _Cast) -> Tensor:
+    def _unpack(self, tok: _Token | _Cast | _Param) -> Tensor:
         if tok.versions != self.loader.versions(tok.block):
             raise RuntimeError(
                 f"offload_adam: the weights of block {self.blocks[tok.block].name} were written (an optimizer step) "
                 "between the forward that used them and its backward"
             )
         self._bwd_activate(tok.block)
+        if isinstance(tok, _Param):
+            return self.blocks[tok.block].entries[tok.entry].param  # (its parts point at the slot now)
         slot = self.loaded[tok.block].slot
         if isinstance(tok, _Cast):
-            cast = self.loader.views(slot, tok.block)[tok.entry].to(tok.dtype)
+            cast = self.loader.views(slot, tok.block)[tok.entry][0].to(tok.dtype)
             return torch.as_strided(cast, tok.size, tok.stride, tok.offset)
         return torch.as_strided(slot.as_dtype(tok.dtype), tok.size, tok.stride, tok.offset)
 

@@ -1,0 +1,350 @@
+"""Quantized weights offloaded (issue 24): a parameter that is a traceable wrapper subclass
+(torchao's ``Int8WeightOnlyConfig`` and ``Float8WeightOnlyConfig`` tensors, and the int4 that runs
+on the CPU with the installed torchao) is stored, streamed and run as its inner tensors: the
+quantized bytes cross, never a dequantized copy. Exact: logits and a 24-token greedy generate are
+bitwise those of the same model quantized and kept resident, for every storage, placement and
+``device="cpu"``, on GPT-2 (tied embeddings) and Llama (grouped-query attention).
+
+torchao is a dependency of these tests only: the package never imports it."""
+
+from __future__ import annotations
+
+import copy
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+import offload_adam
+from offload_adam import testing
+
+from test_weights import gpt2, llama, nvme_dir, prompt, run  # noqa: F401 (nvme_dir: a fixture)
+
+torchao_q = pytest.importorskip("torchao.quantization")
+
+MODELS = {"gpt2": gpt2, "llama": llama}
+NATIVE_OFF: dict[str, Any] = {}
+CONFIGS = {"int8": lambda: torchao_q.Int8WeightOnlyConfig(), "fp8": lambda: torchao_q.Float8WeightOnlyConfig()}
+
+
+def quantized(arch: str, kind: str, seed: int = 0, layers: int = 3) -> torch.nn.Module:
+    model = MODELS[arch](torch.bfloat16, seed, layers=layers)
+    torchao_q.quantize_(model, CONFIGS[kind]())
+    return model
+
+
+def inner_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's tensors as they are stored: a wrapped parameter's inner tensors."""
+    total = 0
+    for p in model.parameters():
+        if type(p) is torch.nn.Parameter:
+            total += p.numel() * p.element_size()
+        else:
+            names, _ = p.__tensor_flatten__()
+            total += sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names)
+    return total
+
+
+def same_parameters(model: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """Every parameter back on the host, of its type, with the reference's bytes."""
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert type(p) is type(q) and p.device.type == "cpu", n
+        if type(q) is torch.nn.Parameter:
+            assert torch.equal(p, q), n
+        else:
+            names, _ = q.__tensor_flatten__()
+            for a in names:
+                assert torch.equal(getattr(p, a), getattr(q, a)), (n, a)
+
+
+def offload(model: torch.nn.Module, mode: str, storage: str, nvme_dir: str, prefetch: int) -> Any:
+    kw: dict[str, Any] = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    if mode == "device-cpu":
+        return offload_adam.offload_weights(model, device="cpu", storage=storage, prefetch=prefetch, **NATIVE_OFF, **kw)
+    return offload_adam.offload_weights(model, placement=mode, storage=storage, prefetch=prefetch, **NATIVE_OFF, **kw)
+
+
+# (arch, kind, mode, storage, prefetch): the placements on the simulated device and the CPU as
+# the device, each from RAM and from the SSD, each with both models and both formats.
+CASES = [
+    ("llama", "int8", "stream", "cpu", 1),
+    ("gpt2", "fp8", "stream", "cpu", 2),
+    ("gpt2", "int8", "stream", "nvme", 0),
+    ("llama", "fp8", "stream", "nvme", 1),
+    ("gpt2", "int8", "cpu", "cpu", 2),
+    ("llama", "fp8", "cpu", "cpu", 0),
+    ("llama", "int8", "cpu", "nvme", 1),
+    ("gpt2", "fp8", "cpu", "nvme", 1),
+    ("llama", "int8", "device-cpu", "cpu", 1),
+    ("gpt2", "fp8", "device-cpu", "cpu", 0),
+    ("gpt2", "int8", "device-cpu", "nvme", 0),
+    ("llama", "fp8", "device-cpu", "nvme", 2),
+]
+
+
+@pytest.mark.parametrize("arch,kind,mode,storage,prefetch", CASES)
+def test_quantized_models_are_bitwise_the_resident_quantized_model(
+    arch: str, kind: str, mode: str, storage: str, prefetch: int, nvme_dir: str
+) -> None:  # fmt: skip
+    """The same config, the same model kept resident: logits and a 24-token greedy generate
+    bitwise, twice; the parameters stay of their type, and close() hands back their bytes. The
+    native matmul is off here: the path under test is the streaming, not the kernel."""
+    model = quantized(arch, kind)
+    ref = copy.deepcopy(model)
+    assert any(type(p) is not torch.nn.Parameter for p in model.parameters())
+    x = prompt(1)
+    want = run(ref, x)
+    if mode == "device-cpu":
+        h = offload(model, mode, storage, nvme_dir, prefetch)
+        for _ in range(2):
+            got = run(model, x)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        h.close()
+    else:
+        with testing.simulated_device(seed=prefetch, max_delay_s=0.001) as sim:
+            h = offload(model, mode, storage, nvme_dir, prefetch)
+            for _ in range(2):
+                got = run(model, x)
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            calls = h.report()["calls"]
+            if mode == "cpu":
+                assert calls["decode"]["stream"] == 0 and calls["decode"]["cpu"] > 0
+            h.close()
+        assert sim.violations == []
+    same_parameters(model, ref)
+
+
+def bytes_model(kind: str | None) -> torch.nn.Module:
+    """A Llama whose layers are large beside their per-row scales (hidden 256)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=3, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    if kind is not None:
+        torchao_q.quantize_(model, CONFIGS[kind]())
+    return model
+
+
+def test_the_quantized_bytes_cross_and_are_stored(nvme_dir: str) -> None:
+    """h2d_bytes per forward are the streamed blocks' quantized inner tensors (their alignment to
+    256 bytes inside a block aside), at most 0.52x bf16's for the layers in int8; the pinned
+    copy and the NVMe pages hold the quantized bytes, within 1%."""
+    x = prompt(2)
+    per_forward: dict[str, int] = {}
+    layer_bytes: dict[str, int] = {}
+    for kind in (None, "int8"):
+        name = kind or "bf16"
+        model = bytes_model(kind)
+        stored = inner_bytes(model)
+        with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
+            h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, **NATIVE_OFF)
+            with torch.no_grad():
+                model(x)
+            h.reset_stats()
+            with torch.no_grad():
+                model(x)
+            r = h.report()
+            looked_up = sum(h.blocks[i].nbytes for i in h.streamed if i in h.placer.host_only)
+            parts = sum(len(e.parts) for b in h.blocks for e in b.entries)
+            assert r["h2d_bytes"] == r["streamed_bytes"] - looked_up
+            assert stored <= r["weights_bytes"] <= stored + 255 * parts
+            assert abs(r["host_pinned_bytes"] - stored) <= 0.01 * stored
+            per_forward[name] = r["h2d_bytes"]
+            layer_bytes[name] = sum(b.nbytes for b in h.blocks if b.layer)
+            h.close()
+        assert sim.violations == []
+        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, **NATIVE_OFF)
+        r = h.report()
+        assert abs(r["nvme_bytes"] - stored) <= 0.01 * stored
+        h.close()
+    assert layer_bytes["int8"] <= 0.52 * layer_bytes["bf16"]
+    assert per_forward["int8"] < 0.6 * per_forward["bf16"]  # (the embedding and norms stay bf16)
+
+
+def test_the_int4_that_runs_on_the_cpu_streams_too() -> None:
+    """With the installed torchao, int4 weight-only on the CPU is ``IntxWeightOnlyConfig(int4,
+    groups of 32)``: int4 values kept one per int8 byte, with a scale and zero point per group
+    (``Int4WeightOnlyConfig`` packs two per byte but needs CUDA or the mslk kernels). It streams
+    as its inner tensors like the others, bitwise."""
+    from torchao.quantization.granularity import PerGroup
+
+    model = llama(torch.bfloat16, 3, layers=2)
+    torchao_q.quantize_(model, torchao_q.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32)))
+    ref = copy.deepcopy(model)
+    x = prompt(3)
+    want = run(ref, x)
+    with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
+        h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, **NATIVE_OFF)
+        got = run(model, x)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        h.close()
+    assert sim.violations == []
+    same_parameters(model, ref)
+
+
+class _Opaque(torch.Tensor):
+    """A wrapper subclass that does not flatten (as bitsandbytes' and older quantized tensors)."""
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> _Opaque:
+        t = torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+        t.inner = inner
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        unwrap = lambda t: t.inner if isinstance(t, _Opaque) else t  # noqa: E731
+        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return _Opaque(out) if func is torch.ops.aten.detach.default else out
+
+
+def test_a_subclass_that_does_not_flatten_is_a_clear_error_before_anything_changes() -> None:
+    model = llama(torch.bfloat16, 0, layers=2)
+    lin = model.model.layers[1].mlp.down_proj
+    lin.weight = torch.nn.Parameter(_Opaque(lin.weight.detach().clone()), requires_grad=False)
+    before = {n: p for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match=r"model\.layers\.1\.mlp\.down_proj\.weight: a _Opaque cannot be offloaded.*__tensor_flatten__"):
+        offload_adam.offload_weights(model, device="cpu")
+    assert {n: p for n, p in model.named_parameters()} == before
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_the_package_names_no_torchao_class_and_does_not_import_it() -> None:
+    """The product's code (the benches in tools/ compare against torchao, which they name)."""
+    root = pathlib.Path(offload_adam.__file__).parent
+    for f in root.rglob("*.py"):
+        if f.parent.name == "tools":
+            continue
+        text = f.read_text()
+        for name in ("Int8Tensor", "Float8Tensor", "IntxUnpackedToInt8Tensor", "Int8WeightOnlyConfig", "Float8WeightOnlyConfig"):
+            assert name not in text, f"{f.relative_to(root)} names {name}"
+    code = "import sys, offload_adam, torch; m = torch.nn.Linear(4, 4); offload_adam.offload_weights(m, device='cpu').close(); print('torchao' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[-1] == "False"
+
+
+# -- quantize on load ---------------------------------------------------------------------------
+
+
+def _empty(model: torch.nn.Module) -> torch.nn.Module:
+    accelerate = pytest.importorskip("accelerate")
+    with accelerate.init_empty_weights():
+        m = type(model)(model.config).to(torch.bfloat16)
+    m.tie_weights()
+    return m.eval()
+
+
+@pytest.mark.parametrize("arch,kind,storage,how", [
+    ("llama", "int8", "cpu", "config"),
+    ("gpt2", "fp8", "nvme", "config"),
+    ("llama", "fp8", "nvme", "callable"),
+])  # fmt: skip
+def test_quantize_on_load_is_quantize_on_the_loaded_model(arch: str, kind: str, storage: str, how: str, tmp_path: Any, nvme_dir: str) -> None:
+    """A full-precision checkpoint loaded into an empty model with quantize=: the same tensors as
+    quantize_ applied to the model loaded whole, and the same logits and tokens, bitwise."""
+    from safetensors.torch import save_model
+
+    model = MODELS[arch](torch.bfloat16, 4, layers=3)
+    ckpt = tmp_path / "model.safetensors"
+    save_model(model, str(ckpt))
+    ref = copy.deepcopy(model)
+    torchao_q.quantize_(ref, CONFIGS[kind]())
+    x = prompt(4)
+    want = run(ref, x)
+    empty = _empty(model)
+    cfg = CONFIGS[kind]()
+    quantize: Any = cfg if how == "config" else (lambda m: torchao_q.quantize_(m, cfg))
+    kw: dict[str, Any] = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    h = offload_adam.offload_weights(empty, device="cpu", storage=storage, checkpoint=ckpt, quantize=quantize, **NATIVE_OFF, **kw)
+    assert sum(type(p) is not torch.nn.Parameter for p in empty.parameters()) == sum(type(p) is not torch.nn.Parameter for p in ref.parameters()) > 0
+    got = run(empty, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    h.close()
+    same_parameters(empty, ref)
+
+
+def test_a_quantized_model_takes_no_checkpoint_and_a_config_needs_torchao(tmp_path: Any) -> None:
+    """A checkpoint holds full-precision tensors: loading one into quantized parameters is refused,
+    naming them and quantize=, before anything changes; a config without torchao installed is an
+    error naming quantize."""
+    from safetensors.torch import save_model
+
+    model = llama(torch.bfloat16, 0, layers=2)
+    ckpt = tmp_path / "model.safetensors"
+    save_model(model, str(ckpt))
+    torchao_q.quantize_(model, CONFIGS["int8"]())
+    for m in model.modules():  # the quantized model, built empty
+        for n, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[n] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+    with pytest.raises(ValueError, match=r"does not match the model:[\s\S]*model\.layers\.0\.self_attn\.q_proj\.weight' is a Int8Tensor.*pass quantize="):
+        offload_adam.offload_weights(model, device="cpu", checkpoint=ckpt)
+    assert all(p.device.type == "meta" for p in model.parameters())
+    code = (
+        "import sys; sys.modules['torchao'] = None\n"
+        "import torch, offload_adam\n"
+        "try:\n    offload_adam.offload_weights(torch.nn.Linear(4, 4), device='cpu', quantize=object())\n"
+        "except ValueError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.startswith("quantize: object is not callable") and "pip install torchao" in out
+
+
+_LOAD_RSS = """
+import gc, sys, torch, transformers, accelerate
+import offload_adam
+from torchao.quantization import quantize_, Int8WeightOnlyConfig
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
+
+cfg = transformers.LlamaConfig(
+    num_hidden_layers=12, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
+    vocab_size=256, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+)
+if sys.argv[1] == "save":
+    torch.manual_seed(0)
+    from safetensors.torch import save_model
+    save_model(transformers.LlamaForCausalLM(cfg).to(torch.bfloat16), sys.argv[2])
+    sys.exit(0)
+quantize_(torch.nn.Linear(64, 64).to(torch.bfloat16), Int8WeightOnlyConfig())  # torchao's lazy imports, before the count
+with accelerate.init_empty_weights():
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+model.tie_weights()
+full = sum(p.numel() * 2 for p in model.parameters())
+layer = sum(p.numel() * 2 for p in model.model.layers[0].parameters())
+gc.collect()
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) from here
+base = status("VmRSS")
+h = offload_adam.offload_weights(model, device="cpu", checkpoint=sys.argv[2], quantize=Int8WeightOnlyConfig())
+peak = status("VmHWM")
+stored = 0
+for p in model.parameters():
+    parts = [p] if type(p) is torch.nn.Parameter else [getattr(p, n) for n in p.__tensor_flatten__()[0]]
+    stored += sum(t.numel() * t.element_size() for t in parts)
+print(full, layer, stored, peak - base)
+h.close()
+"""
+
+
+def test_quantize_on_load_never_holds_the_full_precision_model(tmp_path: Any) -> None:
+    """A 283 MB bfloat16 checkpoint (12 layers of 24 MB) loaded into an empty model with
+    quantize=Int8WeightOnlyConfig(), in a fresh process: the host's peak grows by at most the
+    quantized model, two full-precision blocks and 64 MiB (less than the full-precision model)."""
+    ckpt = str(tmp_path / "model.safetensors")
+    subprocess.run([sys.executable, "-c", _LOAD_RSS, "save", ckpt], check=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", _LOAD_RSS, "load", ckpt], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    full, layer, stored, grew = map(int, r.stdout.split()[-4:])
+    bound = stored + 2 * layer + (64 << 20)
+    assert bound < full  # (the bound tells loading the model whole from loading it block by block)
+    assert stored < 0.55 * full and grew <= bound, (grew / 2**20, bound / 2**20, full / 2**20)

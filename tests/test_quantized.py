@@ -9,6 +9,7 @@ torchao is a dependency of these tests only: the package never imports it."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import pathlib
 import subprocess
@@ -348,3 +349,91 @@ def test_quantize_on_load_never_holds_the_full_precision_model(tmp_path: Any) ->
     bound = stored + 2 * layer + (64 << 20)
     assert bound < full  # (the bound tells loading the model whole from loading it block by block)
     assert stored < 0.55 * full and grew <= bound, (grew / 2**20, bound / 2**20, full / 2**20)
+
+
+# -- training over a frozen quantized base (QLoRA-style) -----------------------------------------
+
+
+class LoRA(torch.nn.Module):
+    """A low-rank adapter in bfloat16 beside a frozen (quantized) linear."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        out, inp = base.weight.shape
+        self.A = torch.nn.Parameter(torch.randn(rank, inp, dtype=torch.bfloat16) * 0.1)
+        self.B = torch.nn.Parameter(torch.randn(out, rank, dtype=torch.bfloat16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.A), self.B)
+
+
+def qlora(seed: int) -> torch.nn.Module:
+    model = llama(torch.bfloat16, seed, layers=3).train()
+    torchao_q.quantize_(model, CONFIGS["int8"]())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "q_proj"), (layer.self_attn, "v_proj"), (layer.mlp, "up_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, LoRA(getattr(parent, name)))
+    return model
+
+
+def adapters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_base_resident() -> None:
+    """12 steps of offload_adam.AdamW on the adapters: their weights and state bitwise those of
+    the same training with the quantized base resident. The base crosses in the forward and in
+    the backward (loaded again there: no dequantized copy of a base weight is saved for the
+    backward), and gets no gradient and no copy-back (its bytes unchanged)."""
+    model = qlora(5)
+    ref = copy.deepcopy(model)
+    base0 = {n: p.qdata.clone() for n, p in model.named_parameters() if hasattr(p, "qdata")}
+    g = torch.Generator().manual_seed(5)
+    data = [torch.randint(1, 256, (2, 9), generator=g) for _ in range(12)]
+
+    def step(m: torch.nn.Module, opt: Any, x: torch.Tensor, hooks: Any = contextlib.nullcontext()) -> None:
+        with hooks:  # (what the forward saves: the backward's own recompute saves for itself)
+            out = m(x[:, :-1]).logits.float()
+            loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    ref_opt = offload_adam.AdamW(adapters(ref), lr=1e-2, weight_decay=0.01)
+    for x in data:
+        step(ref, ref_opt, x)
+    shapes = {tuple(p.shape) for p in model.parameters() if hasattr(p, "qdata")}
+    shapes |= {s[::-1] for s in shapes}
+    saved: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(tuple(t.shape))
+        return t
+
+    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
+        h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, **NATIVE_OFF)
+        opt = offload_adam.AdamW(adapters(model), lr=1e-2, weight_decay=0.01)
+        layers = sum(1 for b in h.blocks if b.layer)
+        for k, x in enumerate(data):
+            h.reset_stats()
+            step(model, opt, x, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+            if k == 0:
+                assert h.report()["loads"] >= 2 * layers  # every layer in the forward and again in the backward
+        h.close()
+    assert sim.violations == []
+    assert not shapes & set(saved), ("a dequantized base weight was saved for the backward", shapes & set(saved))
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert torch.equal(p, q), n
+        else:
+            assert p.grad is None, n
+    for n, q in base0.items():
+        assert torch.equal(dict(model.named_parameters())[n].qdata, q), n
+    got, want = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+    assert got.keys() == want.keys() and len(got) == len(adapters(model))
+    for i in got:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got[i][key], want[i][key]), (i, key)

@@ -51,6 +51,7 @@ from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
 from .blocks import Block, wrapped
 from .cycle import Cycle
+from .frozen import FrozenLinearMode
 from .loader import Loader, Source
 from .placement import Placer
 from .ring import Ring, Slot
@@ -157,6 +158,14 @@ class Streamer:
         self.param_entry: dict[int, tuple[int, int]] = {
             id(e.param): (b, k) for b in streamed for k, e in enumerate(blocks[b].entries)
         }
+        # Frozen wrapped parameters (quantized bases) per block: their linears go through
+        # FrozenLinear while the block's forward builds a graph.
+        self.frozen: dict[int, set[int]] = {}
+        for b in streamed:
+            ids = {id(e.param) for e in blocks[b].entries if e.wrapped and not e.param.requires_grad}
+            if ids:
+                self.frozen[b] = ids
+        self.modes: dict[int, list[FrozenLinearMode]] = {}  # id(module) -> the modes it entered
         self.cache_state: dict[int, list[bool]] = {}  # id(module) -> autocast cache flags to restore
         self.readers: weakref.WeakKeyDictionary[torch.nn.Module, set[int]] = weakref.WeakKeyDictionary()
         self.reading: dict[int, list[int]] = {}  # id(module) -> blocks activated for its reads, this pass
@@ -519,6 +528,10 @@ class Streamer:
             if torch.is_grad_enabled():
                 self._push_hooks()
                 self.pushed[id(module)] = self.pushed.get(id(module), 0) + 1
+                if b in self.frozen:
+                    mode = FrozenLinearMode(self.frozen[b])
+                    mode.__enter__()
+                    self.modes.setdefault(id(module), []).append(mode)
         elif self.backward or _in_backward():
             c = self.member.get(id(module))
             if c is not None and c not in self.active:
@@ -544,6 +557,11 @@ class Streamer:
                 torch.set_autocast_cache_enabled(flags.pop())
                 if not flags:
                     del self.cache_state[id(module)]
+            modes = self.modes.get(id(module))
+            if modes:
+                modes.pop().__exit__(None, None, None)
+                if not modes:
+                    del self.modes[id(module)]
             n = self.pushed.get(id(module), 0)
             if n:
                 torch._C._autograd._pop_saved_tensors_default_hooks()

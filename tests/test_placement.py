@@ -64,7 +64,7 @@ def test_the_cpu_as_the_device_is_bitwise_the_resident_model(
     x = prompt(seed)
     want = run(ref, x)
     kw: dict[str, Any] = {"nvme_dir": nvme_dir, "host_budget_gb": budget(model, host)} if storage == "nvme" else {}
-    h = offload_adam.offload_weights(model, device="cpu", storage=storage, prefetch=prefetch, **kw)
+    h = offload_adam.offload_weights(model, device="cpu", storage=storage, prefetch=prefetch, native_matmul=False, **kw)
     for _ in range(2):
         assert same(run(model, x), want)
     r = h.report()
@@ -131,7 +131,7 @@ def test_placements_on_a_device_are_bitwise_the_resident_model(
     kw: dict[str, Any] = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
     with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
         h = offload_adam.offload_weights(
-            model, placement=placement, storage=storage, prefetch=prefetch, cost_model=RowsModel(), **kw
+            model, placement=placement, storage=storage, prefetch=prefetch, cost_model=RowsModel(), native_matmul=False, **kw
         )  # fmt: skip
         assert same(run(model, x), want)
         r = h.report()
@@ -220,7 +220,7 @@ def test_a_fault_on_the_cpu_path_names_the_file_and_block_and_the_next_call_is_e
     x = prompt(4)
     with torch.no_grad():
         want = ref(x).logits
-        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=1)
+        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=1, native_matmul=False)
         fault_and_recover(h, model, x, want, fault)
     h.close()
     assert os.listdir(nvme_dir) == []
@@ -312,7 +312,7 @@ def test_blocks_held_across_the_forward_keep_their_ram_pages(prefetch: int, nvme
     x = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
         want = ref(x)
-        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch)
+        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch, native_matmul=False)
         for _ in range(4):
             assert torch.equal(model(x), want)
     h.close()

@@ -233,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: a model 4x its RAM budget run on the CPU from the SSD under DIR, against it resident and accelerate's disk offload (see placement_bench)",
     )  # fmt: skip
     ap.add_argument("--placement-params", type=float, default=1e9, help="--placement: the model's parameters (default 1B)")
+    ap.add_argument(
+        "--quantize", choices=["int8", "fp8"], default=None,
+        help="--placement: also the model quantized as it loads (weight-only), beside bf16, and the CPU decode against llama.cpp",
+    )  # fmt: skip
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
@@ -278,10 +282,16 @@ def main(argv: list[str] | None = None) -> int:
         from . import placement_bench
 
         os.makedirs(args.placement, exist_ok=True)
-        pres = placement_bench.run(args.placement, params=args.placement_params, prefetch=args.prefetch, rounds=max(1, min(args.rounds, 3)))
+        pres = placement_bench.run(
+            args.placement, params=args.placement_params, prefetch=args.prefetch, rounds=max(1, min(args.rounds, 3)), quantize=args.quantize
+        )  # fmt: skip
+        if args.quantize is not None:
+            from . import linear_bench
+
+            pres["linear"] = linear_bench.run(rounds=args.rounds, threads=args.threads, model=True)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(pres, f, indent=1)
+                json.dump(pres, f, indent=1, default=str)
         return 0
     if args.weights:
         from . import weights_bench

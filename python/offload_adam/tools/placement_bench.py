@@ -13,6 +13,13 @@ configuration on the CPU (``device="cpu"``):
 (d) accelerate's disk offload on the CPU: the same 25% on ``"cpu"`` in a ``device_map``, the rest
     ``"disk"`` in an ``offload_folder`` (memory-mapped files), where accelerate is installed.
 
+With ``--quantize int8`` (or ``fp8``), in the same run:
+
+(e) ours as (b), the weights quantized as they load (``quantize=`` torchao's weight-only config),
+    at the same host budget in bytes: tokens/s, TTFT, bytes per token from the SSD and their
+    bound, and its decode rate over (b)'s (target: at least 1.7x while disk-bound); then the CPU
+    decode of an 8B-class shape against llama.cpp (``linear_bench``'s model comparison).
+
 Each gives time to first token (TTFT), decode tokens/s, the growth of the process's peak
 resident memory over the run and of its files' page cache (``mincore``); (b) also its bound:
 the bytes per token it reads from the SSD over this disk's ``O_DIRECT`` read rate (measured
@@ -126,9 +133,36 @@ def _median(cases: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _nvme_case(
+    name: str, model: torch.nn.Module, x: torch.Tensor, tokens: int, nvme_dir: str, disk: float, budget: int, prefetch: int,
+    threads: int | None, **kw: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """(b) or (e): ``model`` on the CPU from the SSD, ``budget`` bytes of it in RAM."""
+    import offload_adam
+
+    h = offload_adam.offload_weights(
+        model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch, host_budget_gb=budget / GiB,
+        num_threads=threads, **kw,
+    )  # fmt: skip
+    decode(model, x[:, :8], 2)  # the first forward records the order
+    h.reset_stats()
+    out = _case(name, model, x, tokens)
+    r = h.report()
+    out["page_cache_bytes"] = r["page_cache_bytes"]
+    out["read_bytes"] = r["read_bytes"]
+    per_token = r["weights_bytes"] - r["host_resident_bytes"]
+    out["bound_tokens_s"] = disk * 1e9 / per_token
+    out["of_bound"] = out["tokens_s"] / out["bound_tokens_s"]
+    out["bytes_per_token"] = per_token
+    out["calls"] = r["calls"]
+    out["io_wait_s"] = r["io_wait_s"]
+    h.close()
+    return out
+
+
 def run(
     nvme_dir: str, *, params: float = 1e9, prompt: int = 128, tokens: int = 32, prefetch: int = 2, threads: int | None = None,
-    rounds: int = 3,
+    rounds: int = 3, quantize: str | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     import offload_adam
 
@@ -159,25 +193,19 @@ def run(
     a, c = _median(rounds_a), _median(rounds_c)
     results["cases"].append(a)
 
-    m = copy.deepcopy(model)
-    h = offload_adam.offload_weights(
-        m, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch, host_budget_gb=0.25 * weights / GiB, num_threads=threads
-    )  # fmt: skip
-    decode(m, x[:, :8], 2)  # the first forward records the order
-    h.reset_stats()
-    b = _case("(b) ours, storage nvme, host budget 25%", m, x, tokens)
-    r = h.report()
-    b["page_cache_bytes"] = r["page_cache_bytes"]
-    b["read_bytes"] = r["read_bytes"]
-    per_token = r["weights_bytes"] - r["host_resident_bytes"]
-    b["bound_tokens_s"] = disk * 1e9 / per_token
-    b["of_bound"] = b["tokens_s"] / b["bound_tokens_s"]
-    b["bytes_per_token"] = per_token
-    b["calls"] = r["calls"]
-    b["io_wait_s"] = r["io_wait_s"]
-    h.close()
-    del m, h
+    budget = int(0.25 * weights)
+    b = _nvme_case("(b) ours, storage nvme, host budget 25%", copy.deepcopy(model), x, tokens, nvme_dir, disk, budget, prefetch, threads)
     results["cases"].append(b)
+    e: dict[str, Any] | None = None
+    if quantize is not None:
+        from torchao import quantization as tq  # type: ignore[import-untyped]
+
+        config = {"int8": tq.Int8WeightOnlyConfig, "fp8": tq.Float8WeightOnlyConfig}[quantize]()
+        e = _nvme_case(
+            f"(e) ours as (b), {quantize} weight-only (quantize=), same budget", copy.deepcopy(model), x, tokens, nvme_dir,
+            disk, budget, prefetch, threads, quantize=config,
+        )  # fmt: skip
+        results["cases"].append(e)
 
     results["cases"].append(c)
 
@@ -218,6 +246,14 @@ def run(
         f"at {b['of_bound']:.2f} of it (target 0.85); page cache {b['page_cache_bytes'] / max(b['read_bytes'], 1):.2%} "
         f"of the {b['read_bytes'] / GiB:.1f} GiB read (target 5%); calls {b['calls']}; host waited {b['io_wait_s']:.1f} s for the disk"
     )
+    if e is not None:
+        print(
+            f"(e): {e['bytes_per_token'] / GiB:.2f} GiB per token from the SSD ({e['bytes_per_token'] / b['bytes_per_token']:.2f}x (b)'s); "
+            f"bound {e['bound_tokens_s']:.3f} tokens/s; at {e['of_bound']:.2f} of it; decode {e['tokens_s'] / b['tokens_s']:.2f}x (b) "
+            f"(target 1.7x), TTFT {e['ttft_s'] / b['ttft_s']:.2f}x (b)'s; tokens equal to bf16's: {e['same_tokens']} (quantized: "
+            f"they may differ); calls {e['calls']}; host waited {e['io_wait_s']:.1f} s for the disk"
+        )
+        results["quantized_over_bf16"] = e["tokens_s"] / b["tokens_s"]
     ratios = sorted(y / x_ for x_, y in zip(a["rounds_tokens_s"], c["rounds_tokens_s"]))
     print(
         f"(c)/(a) decode, per round: {', '.join(f'{v:.2f}x' for v in ratios)}; median {ratios[len(ratios) // 2]:.2f}x (target 0.95x); "

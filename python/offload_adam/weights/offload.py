@@ -139,6 +139,7 @@ class WeightOffload:
         num_threads: int | None = None,
         cost_model: costs.CostModel | None = None,
         quantize: Quantizer | None = None,
+        native_matmul: bool | None = None,
     ) -> None:
         self.model = model
         self.device = device
@@ -239,13 +240,14 @@ class WeightOffload:
         # streamed block's modules that may run there, and with the CPU as the device every block's.
         self.host_calls: HostCalls | None = None
         if self.placement != "stream" or num_threads is not None:
-            self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads)
+            self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul)
             for b in self.blocks:
                 if b.index in self.streamed or not on_device:
                     for m in b.modules:
                         self.host_calls.attach(m, b.index)
         self.prefetch = prefetch
         self.num_threads = num_threads
+        self.native_matmul = native_matmul
         self.closed = False
         setattr(model, ATTR, self)
 
@@ -297,7 +299,9 @@ class WeightOffload:
         device), ``stall_s`` (time compute waited for a weight), ``passes`` (forwards), ``loads``
         and ``on_demand_loads`` (loads not prefetched), ``calls`` (per phase, ``"prompt"`` and
         ``"decode"``, how many block calls ran ``"stream"`` and ``"cpu"``), ``cpu_s`` (time in
-        blocks run on the CPU), ``hidden_bytes`` and ``kv_bytes`` (what crossed for them), and with
+        blocks run on the CPU), ``hidden_bytes`` and ``kv_bytes`` (what crossed for them),
+        ``native_calls`` and ``torch_calls`` (their ``F.linear`` calls the native kernel ran, and
+        torch's: see ``native_matmul``), and with
         ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
         ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0)."""
@@ -308,7 +312,11 @@ class WeightOffload:
             b.numel() * b.element_size() for b in self.model.buffers()
         )
         nvme = self.source.nvme if isinstance(self.source, SplitWeights) else self.source
-        hc = self.host_calls.stats if self.host_calls is not None else {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0}
+        hc = (
+            self.host_calls.report()
+            if self.host_calls is not None
+            else {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0, "native_calls": 0, "torch_calls": 0}
+        )
         out: dict[str, Any] = {
             "device": str(self.device.torch_device) if on_device else "cpu",
             "placement": self.placement,
@@ -440,6 +448,7 @@ def offload_weights(
     num_threads: int | None = None,
     cost_model: costs.CostModel | None = None,
     quantize: Any = None,
+    native_matmul: bool | None = None,
 ) -> WeightOffload:
     """Keeps ``model``'s weights on the host and streams them to ``device`` block by block,
     ahead of need, for inference and for training (build the optimizer after this call; the step
@@ -495,6 +504,15 @@ def offload_weights(
             none); it must hold the RAM ring of pages read ahead.
         num_threads: CPU threads of the blocks run on the CPU (default: None, torch's), so that a
             home server keeps cores for its other services.
+        native_matmul: whether the blocks run on the CPU multiply their ``F.linear`` of at most
+            ``hostmatmul.MAX_ROWS`` (16) rows, a decode step, with the native kernel
+            (``weights/hostmatmul.py``) where it applies, no gradient wanted; torch's kernels
+            otherwise. None (default): quantized weights (torchao's int8 or fp8 weight-only: torch's
+            paths decode them 13-20x slower), and bfloat16 ones if the kernel's bfloat16 matmul beat
+            torch's on this machine (``hostmatmul.bf16_faster``, measured once: ``report()``'s
+            ``native_bf16``); True: bfloat16 ones always too; False: torch's kernels always. The
+            kernel sums in float32 and rounds once, as torch does, in another order: the logits
+            agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
             once and cached: see ``offload_adam.runtime.costs``).
         quantize: quantize the weights as they load (default: None, as they are): a torchao
@@ -536,6 +554,8 @@ def offload_weights(
             )
     if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
         raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+    if native_matmul is not None and not isinstance(native_matmul, bool):
+        raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
@@ -545,6 +565,7 @@ def offload_weights(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
         prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,
         host_budget_gb=host_budget_gb, num_threads=num_threads, cost_model=cost_model, quantize=quantize_fn,
+        native_matmul=native_matmul,
     )  # fmt: skip
 
 

@@ -14,6 +14,11 @@ For inference an embedding looks its rows up where its weights are, whatever the
 the rows a call needs cross to the device. With ``device="cpu"`` (or no GPU) every call runs on
 the CPU and nothing is copied. Training (a graph being built, or a backward) always streams, the
 embedding included.
+
+A call run on the CPU runs ``F.linear`` of at most ``hostmatmul.MAX_ROWS`` rows (a decode step)
+on the native kernel where it applies (``hostmatmul.NativeMatmul``: bfloat16 weights, torchao's
+int8 and fp8 weight-only ones; no gradient wanted), torch's kernels otherwise;
+``offload_weights(native_matmul=False)``: torch's always.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from torch.utils._pytree import tree_map
 from ..runtime.costs import CostModel
 from ..runtime.device import Device, HostDevice
 from .blocks import Block
+from .hostmatmul import NativeMatmul, bf16_faster
 
 PLACEMENTS = ("stream", "cpu", "auto")
 
@@ -120,15 +126,23 @@ def find_cache(kwargs: dict[str, Any]) -> Any:
 class HostCalls:
     """The module hooks of calls run on the CPU: their tensors to the host before, their outputs
     back after, the KV cache of their layer kept where the layer runs, the threads bounded, the
-    time counted (``cpu_s``)."""
+    time counted (``cpu_s``); with ``native_matmul``, ``NativeMatmul`` active from the outermost
+    call on the CPU to its end (off in a call nested in it that runs elsewhere)."""
 
-    def __init__(self, device: Device, blocks: list[Block], decided: dict[int, str], num_threads: int | None) -> None:
+    def __init__(
+        self, device: Device, blocks: list[Block], decided: dict[int, str], num_threads: int | None,
+        native_matmul: bool | None = None,
+    ) -> None:  # fmt: skip
         self.device = device
         self.moves = not isinstance(device, HostDevice)
         self.blocks = blocks
         self.decided = decided  # id(module) -> where its current call runs (the streamer's)
         self.num_threads = num_threads
-        self.stack: list[tuple[str, float, int | None]] = []
+        self.matmul: NativeMatmul | None = None
+        if native_matmul is not False:
+            bf16 = native_matmul is True or bf16_faster(num_threads or torch.get_num_threads())
+            self.matmul = NativeMatmul(bf16=bf16)
+        self.stack: list[tuple[str, float, int | None, bool]] = []  # (where, start, threads to restore, mode entered)
         self.kv_side: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
         self.layer: dict[int, int | None] = {}
         self.handles: list[Any] = []
@@ -136,6 +150,17 @@ class HostCalls:
 
     def reset_stats(self) -> None:
         self.stats = {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0}
+        if self.matmul is not None:
+            self.matmul.native_calls = self.matmul.torch_calls = 0
+
+    def report(self) -> dict[str, Any]:
+        """``stats`` and the ``F.linear`` calls of CPU-run blocks the native kernel ran
+        (``native_calls``) and torch's (``torch_calls``)."""
+        m = self.matmul
+        return {
+            **self.stats, "native_calls": m.native_calls if m else 0, "torch_calls": m.torch_calls if m else 0,
+            "native_bf16": bool(m and m.bf16),
+        }  # fmt: skip
 
     def attach(self, module: torch.nn.Module, block: int) -> None:
         self.layer[id(module)] = layer_index([module])
@@ -192,7 +217,13 @@ class HostCalls:
         if where == "cpu" and self.num_threads is not None and torch.get_num_threads() != self.num_threads:
             threads = torch.get_num_threads()
             torch.set_num_threads(self.num_threads)
-        self.stack.append((where, time.perf_counter(), threads))
+        entered = False
+        if self.matmul is not None:
+            if where == "cpu" and not torch.compiler.is_compiling() and not any(w == "cpu" for w, _, _, _ in self.stack):
+                self.matmul.__enter__()  # the outermost call on the CPU: F.linear to the kernel from here
+                entered = True
+            self.matmul.on = where == "cpu"
+        self.stack.append((where, time.perf_counter(), threads, entered))
         if not self.moves:
             return None
         self._kv(module, kwargs, where)
@@ -210,10 +241,14 @@ class HostCalls:
     def _post(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
         if not self.stack:
             return None
-        where, t0, threads = self.stack.pop()
+        where, t0, threads, entered = self.stack.pop()
         if threads is not None:
             torch.set_num_threads(threads)
-        if where == "cpu" and not any(w == "cpu" for w, _, _ in self.stack):
+        if self.matmul is not None:
+            if entered:
+                self.matmul.leave()
+            self.matmul.on = bool(self.stack) and self.stack[-1][0] == "cpu"
+        if where == "cpu" and not any(w == "cpu" for w, _, _, _ in self.stack):
             self.stats["cpu_s"] += time.perf_counter() - t0  # (the outermost: a block calling blocks counts once)
         if where != "cpu" or not self.moves:
             return None

@@ -178,7 +178,7 @@ def run(
     host = costs.host_read_gbs()
     gemv = costs.cpu_matmul_gflops(torch.bfloat16, 1)  # a 1-row bf16 matmul reads 2 bytes per 2 flops: GFLOP/s = GB/s
     print(f"this machine: O_DIRECT read {disk:.2f} GB/s, host read {host:.2f} GB/s, torch's 1-row bf16 matmul reads {gemv:.2f} GB/s "
-          f"({gemv / host:.2f} of the host's read bandwidth{'; below 0.7: torch kernel-bound, our own kernel is a later issue' if gemv < 0.7 * host else ''})")
+          f"({gemv / host:.2f} of the host's read bandwidth{'; below 0.7: torch kernel-bound where the native kernel does not take bf16 (native_matmul)' if gemv < 0.7 * host else ''})")
     results: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters()), "weights_bytes": weights, "disk_read_gbs": disk,
                                "host_read_gbs": host, "gemv_gbs": gemv, "cases": []}  # fmt: skip
     # (a) and (c) in alternating rounds (the machine is shared: the ratio of the medians counts).

@@ -98,23 +98,17 @@ def test_quantized_models_are_bitwise_the_resident_quantized_model(
     assert any(type(p) is not torch.nn.Parameter for p in model.parameters())
     x = prompt(1)
     want = run(ref, x)
-    if mode == "device-cpu":
+    device: Any = contextlib.nullcontext() if mode == "device-cpu" else testing.simulated_device(seed=prefetch, max_delay_s=0.001)
+    with device as sim:
         h = offload(model, mode, storage, nvme_dir, prefetch)
         for _ in range(2):
             got = run(model, x)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        calls = h.report()["calls"]
+        if mode == "cpu":
+            assert calls["decode"]["stream"] == 0 and calls["decode"]["cpu"] > 0
         h.close()
-    else:
-        with testing.simulated_device(seed=prefetch, max_delay_s=0.001) as sim:
-            h = offload(model, mode, storage, nvme_dir, prefetch)
-            for _ in range(2):
-                got = run(model, x)
-                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-            calls = h.report()["calls"]
-            if mode == "cpu":
-                assert calls["decode"]["stream"] == 0 and calls["decode"]["cpu"] > 0
-            h.close()
-        assert sim.violations == []
+    assert sim is None or sim.violations == []
     same_parameters(model, ref)
 
 
@@ -389,8 +383,9 @@ def adapters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 
 def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_base_resident() -> None:
-    """12 steps of offload_adam.AdamW on the adapters: their weights and state bitwise those of
-    the same training with the quantized base resident. The base crosses in the forward and in
+    """The adapters kept on the device (resident=), the base streamed: 12 steps of
+    offload_adam.AdamW on the adapters, their weights and state bitwise those of the same
+    training with the quantized base resident. The base crosses in the forward and in
     the backward (loaded again there: no dequantized copy of a base weight is saved for the
     backward), and gets no gradient and no copy-back (its bytes unchanged)."""
     model = qlora(5)
@@ -419,14 +414,17 @@ def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_bas
         return t
 
     with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
-        h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, **NATIVE_OFF)
+        h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, resident=lambda n, p: p.requires_grad, **NATIVE_OFF)
+        assert not any(e.param.requires_grad for b in h.blocks for e in b.entries)  # the adapters: in no block
         opt = offload_adam.AdamW(adapters(model), lr=1e-2, weight_decay=0.01)
         layers = sum(1 for b in h.blocks if b.layer)
         for k, x in enumerate(data):
             h.reset_stats()
             step(model, opt, x, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
             if k == 0:
-                assert h.report()["loads"] >= 2 * layers  # every layer in the forward and again in the backward
+                r = h.report()
+                assert r["loads"] >= 2 * layers  # every layer in the forward and again in the backward
+                assert r["gpu_resident_bytes"] >= sum(p.numel() * p.element_size() for p in adapters(model))
         h.close()
     assert sim.violations == []
     assert not shapes & set(saved), ("a dequantized base weight was saved for the backward", shapes & set(saved))
@@ -442,3 +440,15 @@ def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_bas
     for i in got:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got[i][key], want[i][key]), (i, key)
+
+
+def test_resident_takes_a_function_of_parameters_kept_on_the_device_with_streaming_only() -> None:
+    model = qlora(6)
+    before = {n: p.device.type for n, p in model.named_parameters()}
+    with pytest.raises(TypeError, match="resident must be a function of"):
+        offload_adam.offload_weights(model, resident=True)  # type: ignore[arg-type]
+    with testing.simulated_device():
+        with pytest.raises(ValueError, match="resident: parameters kept on the device need placement='stream'"):
+            offload_adam.offload_weights(model, placement="cpu", resident=lambda n, p: p.requires_grad)
+    assert {n: p.device.type for n, p in model.named_parameters()} == before
+    assert not hasattr(model, "_offload_adam_weights")

@@ -210,10 +210,12 @@ def _repeated(m: torch.nn.Module) -> bool:
     )
 
 
-def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None) -> list[Block]:
+def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None, keep: frozenset[int] = frozenset()) -> list[Block]:
     """The blocks of ``model`` (see the module documentation), in the order of its modules;
     raises ValueError naming the culprit for a user list that misses parameters or names a
-    module twice, or blocks whose parameters overlap."""
+    module twice, or blocks whose parameters overlap. ``keep``: parameters (by ``id``) in no
+    block (kept on the device: ``offload_weights(resident=...)``); a block left without
+    parameters is none."""
     names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     groups: list[tuple[torch.nn.Module, list[torch.nn.Parameter], bool]] = []  # (module, params, layer)
     if blocks is None:
@@ -221,9 +223,9 @@ def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = N
         def visit(m: torch.nn.Module) -> None:
             if _repeated(m):
                 for c in m.children():
-                    groups.append((c, list(c.parameters()), True))
+                    groups.append((c, [p for p in c.parameters() if id(p) not in keep], True))
                 return
-            own = [p for p in m._parameters.values() if p is not None]
+            own = [p for p in m._parameters.values() if p is not None and id(p) not in keep]
             if own:
                 groups.append((m, own, False))
             for c in m.children():
@@ -240,7 +242,8 @@ def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = N
             if id(m) not in names:
                 raise ValueError(f"blocks[{i}]: a {type(m).__name__} that is not a submodule of the model")
             seen.add(id(m))
-            groups.append((m, list(m.parameters()), False))
+            groups.append((m, [p for p in m.parameters() if id(p) not in keep], False))
+    groups = [g for g in groups if g[1]]  # (a module whose parameters are all kept)
     # Parameters under several entries: tied parameters merge their blocks; a user's blocks
     # must not overlap.
     owner: dict[int, int] = {}
@@ -261,7 +264,7 @@ def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = N
                     raise ValueError(f"blocks: {a!r} and {b!r} share parameters; a parameter belongs to one block")
                 parent[root(gi)] = root(other)
     all_params = {id(p): (n, p) for n, p in model.named_parameters(remove_duplicate=False)}
-    missing = [n for n, p in model.named_parameters() if id(p) not in owner]
+    missing = [n for n, p in model.named_parameters() if id(p) not in owner and id(p) not in keep]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ValueError(f"blocks: these parameters are in no block: {shown}")

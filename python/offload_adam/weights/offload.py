@@ -140,6 +140,7 @@ class WeightOffload:
         cost_model: costs.CostModel | None = None,
         quantize: Quantizer | None = None,
         native_matmul: bool | None = None,
+        keep: frozenset[int] = frozenset(),
     ) -> None:
         self.model = model
         self.device = device
@@ -152,13 +153,15 @@ class WeightOffload:
             # may come untied, and save_pretrained writes a tied parameter under one name only.
             tie()
         if quantize is not None:
-            quantize_blocks(model, blocks, checkpoint, quantize)
+            quantize_blocks(model, blocks, checkpoint, quantize, keep)
             checkpoint = None  # (read: the model is on the host now, quantized)
-        self.blocks = find_blocks(model, blocks)
+        self.blocks = find_blocks(model, blocks, keep)
+        # resident=: parameters in no block, on the device for the whole offload (as buffers)
+        self.kept = [p for p in model.parameters() if id(p) in keep]
         self.meter = Meter()
         self.arena = PinnedArena(device)
         buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
-        buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers)
+        buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
         own = own_slot_blocks(self.blocks)
         host_only = host_only_blocks(self.blocks)
         every = [b.index for b in self.blocks]
@@ -286,6 +289,10 @@ class WeightOffload:
                 out = moved[id(buf)] = dev.empty(buf.numel(), buf.dtype, self.meter).view(buf.shape)
                 dev.copy_blocking([(out, buf)], dev.h2d)
             m._buffers[name] = out
+        for p in self.kept:
+            out = dev.empty(p.numel(), p.dtype, self.meter).view(p.shape)
+            dev.copy_blocking([(out, p.detach())], dev.h2d)
+            p.data = out
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -309,7 +316,7 @@ class WeightOffload:
         h2d_s, stall_s = st.timings()
         on_device = not isinstance(self.device, HostDevice)
         resident = sum(self.blocks[i].nbytes for i in self.resident) + sum(
-            b.numel() * b.element_size() for b in self.model.buffers()
+            t.numel() * t.element_size() for t in [*self.model.buffers(), *self.kept]
         )
         nvme = self.source.nvme if isinstance(self.source, SplitWeights) else self.source
         hc = (
@@ -403,6 +410,8 @@ class WeightOffload:
                 for name, buf in m._buffers.items():
                     if buf is not None:
                         m._buffers[name] = self._to_host(buf)
+            for p in self.kept:
+                p.data = self._to_host(p.detach())
         finally:
             try:
                 self.source.close()
@@ -449,6 +458,7 @@ def offload_weights(
     cost_model: costs.CostModel | None = None,
     quantize: Any = None,
     native_matmul: bool | None = None,
+    resident: Callable[[str, torch.nn.Parameter], bool] | None = None,
 ) -> WeightOffload:
     """Keeps ``model``'s weights on the host and streams them to ``device`` block by block,
     ahead of need, for inference and for training (build the optimizer after this call; the step
@@ -515,6 +525,11 @@ def offload_weights(
             agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
             once and cached: see ``offload_adam.runtime.costs``).
+        resident: a function of (name, parameter): the parameters it accepts are in no block,
+            kept on the device for the whole offload as the buffers are (default: None, none): a
+            LoRA adapter trained over a streamed frozen base (``resident=lambda n, p:
+            p.requires_grad``). They must hold their values (not on the meta device), and
+            ``placement`` must be ``"stream"``.
         quantize: quantize the weights as they load (default: None, as they are): a torchao
             config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to each block
             by torchao's ``quantize_``), or a function called with each module of each block. With
@@ -559,13 +574,24 @@ def offload_weights(
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
+    keep: frozenset[int] = frozenset()
+    if resident is not None:
+        if not callable(resident):
+            raise TypeError(f"resident must be a function of (name, parameter), got {type(resident).__name__}")
+        kept = [(n, p) for n, p in model.named_parameters() if resident(n, p)]
+        on_meta = [n for n, p in kept if p.device.type == "meta"]
+        if on_meta:
+            raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")
+        if kept and placement != "stream":
+            raise ValueError(f"resident: parameters kept on the device need placement='stream' (a block run on the CPU reads them), got {placement!r}")
+        keep = frozenset(id(p) for _, p in kept)
     quantize_fn = quantizer(quantize) if quantize is not None else None
     dev = _run_device(device)
     return WeightOffload(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
         prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,
         host_budget_gb=host_budget_gb, num_threads=num_threads, cost_model=cost_model, quantize=quantize_fn,
-        native_matmul=native_matmul,
+        native_matmul=native_matmul, keep=keep,
     )  # fmt: skip
 
 

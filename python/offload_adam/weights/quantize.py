@@ -45,10 +45,12 @@ def quantizer(quantize: Any) -> Quantizer:
     return lambda module: quantize_(module, quantize)
 
 
-def quantize_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None, checkpoint: Any, fn: Quantizer) -> None:
+def quantize_blocks(
+    model: torch.nn.Module, blocks: list[torch.nn.Module] | None, checkpoint: Any, fn: Quantizer, keep: frozenset[int] = frozenset()
+) -> None:  # fmt: skip
     """Quantizes ``model`` block by block, each block's weights read from ``checkpoint`` first
-    (if given) into one buffer (see the module documentation)."""
-    found = find_blocks(model, blocks)
+    (if given) into one buffer (see the module documentation); ``keep``: parameters in no block."""
+    found = find_blocks(model, blocks, keep)
     ck = Checkpoint(checkpoint) if checkpoint is not None else None
     try:
         where = ck.locate(found, set(model.state_dict(keep_vars=True))) if ck is not None else None

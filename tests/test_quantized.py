@@ -22,7 +22,7 @@ import torch
 import offload_adam
 from offload_adam import testing
 
-from test_weights import gpt2, llama, nvme_dir, prompt, run  # noqa: F401 (nvme_dir: a fixture)
+from test_weights import fault_and_recover, gpt2, llama, nvme_dir, prompt, run  # noqa: F401 (nvme_dir: a fixture)
 
 torchao_q = pytest.importorskip("torchao.quantization")
 
@@ -110,6 +110,20 @@ def test_quantized_models_are_bitwise_the_resident_quantized_model(
         h.close()
     assert sim is None or sim.violations == []
     same_parameters(model, ref)
+
+
+def test_a_corrupted_page_of_a_quantized_block_is_caught_by_its_crc_and_the_next_forward_is_exact(nvme_dir: str) -> None:
+    """The inner tensors' page carries its CRC as any block's: a corrupted byte of a quantized
+    layer's page (its int8 data) is an OSError naming the file and the block; once repaired, the
+    next forwards are exact."""
+    model = quantized("llama", "int8", seed=2, layers=4)
+    ref = copy.deepcopy(model)
+    x = prompt(2)
+    with torch.no_grad():
+        want = ref(x).logits
+        h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=1, **NATIVE_OFF)
+        fault_and_recover(h, model, x, want, "corrupt")
+    h.close()
 
 
 def bytes_model(kind: str | None) -> torch.nn.Module:

@@ -295,6 +295,8 @@ def test_quantized_weights_stream_their_own_bytes(weight_dtype: str, share: floa
         assert row[5] == f"{30e9 / (2 * 70e9):.2f}" and "int4 weights run torch's CPU path" in out
     rec = out[out.index("Recommended"):]
     assert f"of {weight_dtype} weights streamed per token" in rec and f"the figures count {weight_dtype} weights" in rec
+    config = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig", "int4": "Int4WeightOnlyConfig"}[weight_dtype]
+    assert f"from torchao.quantization import {config}" in rec and f"quantize={config}())" in rec  # the code quantizes as it loads
     assert "4-bit weights (about" not in rec
     ast.parse("\n".join(line[4:] for line in rec.splitlines() if line.startswith("    ")))
     # the same model's bf16 weights: the bf16 bytes

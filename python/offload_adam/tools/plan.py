@@ -575,26 +575,40 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         f"({streamed / GB:.1f} GiB{of_w} streamed per token, {resident / GB:.1f} GiB resident)"
     )
     print("  code:")
+    config = _config(args)
     for line in (
+        *([f"from torchao.quantization import {config}"] if config else []),
         "with accelerate.init_empty_weights():   # no RAM for a second copy while loading",
         f"    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(DIR), dtype=torch.{args.dtype})",
         "model.tie_weights()",
-        f"h = offload_adam.offload_weights(model, checkpoint=DIR, gpu_budget_gb={b:g}{kw})",
+        f"h = offload_adam.offload_weights(model, checkpoint=DIR, gpu_budget_gb={b:g}{kw}{_quantize_kw(args)})",
         "tok = AutoTokenizer.from_pretrained(DIR)",
         "out = model.generate(**tok(\"Hello\", return_tensors=\"pt\").to(\"cuda\"), max_new_tokens=64)",
         "print(tok.decode(out[0])); h.close()",
     ):
         print("    " + line)
-    if args.weight_dtype is not None:
-        config = {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig", "int4": "Int4WeightOnlyConfig"}[args.weight_dtype]
-        print(f"  note: the figures count {args.weight_dtype} weights as torchao's {config} stores them; the code is the {args.dtype} "
-              "recipe.")  # fmt: skip
+    if config:
+        print(f"  note: the figures count {args.weight_dtype} weights as torchao's {config} stores them; quantize= quantizes "
+              f"each block of the {args.dtype} checkpoint as it loads.")  # fmt: skip
     q4 = args.params * 0.5 * 1.1  # 4-bit weights with their scales, about
     if args.weight_dtype is None and q4 + args.reserve_gb * GB <= args.gpu_gb * GB:
         print(
-            f"  note: 4-bit weights (about {q4 / GB:.1f} GiB) would fit this GPU whole, at the GPU's own speed; this version "
-            "streams unquantized weights only (bitsandbytes or torchao quantize a model in place)."
+            f"  note: 4-bit weights (about {q4 / GB:.1f} GiB) would fit this GPU whole, at the GPU's own speed: "
+            "--weight-dtype int4 plans them (quantize=Int4WeightOnlyConfig())."
         )
+
+
+def _config(args: argparse.Namespace) -> str:
+    """torchao's config of ``--weight-dtype`` ("" without)."""
+    if args.weight_dtype is None:
+        return ""
+    return {"int8": "Int8WeightOnlyConfig", "fp8": "Float8WeightOnlyConfig", "int4": "Int4WeightOnlyConfig"}[args.weight_dtype]
+
+
+def _quantize_kw(args: argparse.Namespace) -> str:
+    """``offload_weights``' quantize= argument of ``--weight-dtype`` ("" without)."""
+    config = _config(args)
+    return f", quantize={config}()" if config else ""
 
 
 def cpu_gemv_gflops(dtype: str) -> float:
@@ -654,7 +668,7 @@ def cpu_only(args: argparse.Namespace, r: Rates, weights: float, flops_per_byte:
         print("On the CPU neither: the weights need RAM or NVMe space.")
         return
     print(f"\nRecommended: the model on the CPU, at most {rate:.2f} tokens/s at batch 1, bound by {by}{_quantized_cpu_words(args)}:")
-    print(f"    h = offload_adam.offload_weights(model, checkpoint=DIR, {kw})")
+    print(f"    h = offload_adam.offload_weights(model, checkpoint=DIR, {kw}{_quantize_kw(args)})")
 
 
 def _print_rates(r: Rates, args: argparse.Namespace) -> None:

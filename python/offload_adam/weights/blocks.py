@@ -106,8 +106,8 @@ class Entry:
             t = getattr(p, a)
             if wrapped(t) or not _dense(t):
                 raise TypeError(
-                    f"{self.names[0]}: a {type(p).__name__} whose inner tensor {a!r} is a {type(t).__name__} "
-                    "with gaps or overlaps in its memory: only plain, dense inner tensors are streamed"
+                    f"{self.names[0]}: the inner tensor {a!r} of a {type(p).__name__} is a {type(t).__name__} of strides "
+                    f"{tuple(t.stride())}: only plain inner tensors without gaps or overlaps in their memory are streamed"
                 )
             self.parts.append(Part(a, t.dtype, tuple(t.shape), None if t.is_contiguous() else tuple(t.stride())))
 
@@ -136,8 +136,9 @@ class Entry:
 
     def tensors(self) -> list[Tensor]:
         """Its parts where they are now."""
-        p = self.param.detach() if not self.wrapped else self.param
-        return [p] if not self.wrapped else [getattr(p, q.attr) for q in self.parts]  # type: ignore[arg-type]
+        if not self.wrapped:
+            return [self.param.detach()]
+        return [getattr(self.param, q.attr) for q in self.parts]  # type: ignore[arg-type]
 
     def bind(self, parts: list[Tensor]) -> None:
         """Points the parameter at ``parts`` (as :meth:`tensors` returns them): a plain one's
@@ -159,16 +160,15 @@ class Entry:
         else:
             self.bind(parts)
 
-    def rebuild(self, parts: list[Tensor], requires_grad: bool | None = None) -> torch.nn.Parameter:
+    def rebuild(self, parts: list[Tensor]) -> torch.nn.Parameter:
         """A new parameter of its type over ``parts`` (a wrapped one: the device it reports is
         theirs)."""
         p = self.param
-        rg = p.requires_grad if requires_grad is None else requires_grad
         if not self.wrapped:
-            return torch.nn.Parameter(parts[0], requires_grad=rg)
+            return torch.nn.Parameter(parts[0], requires_grad=p.requires_grad)
         inner = {q.attr: t for q, t in zip(self.parts, parts)}
         t = type(p).__tensor_unflatten__(inner, self.ctx, p.shape, p.stride())  # type: ignore[attr-defined]
-        return torch.nn.Parameter(t, requires_grad=rg)
+        return torch.nn.Parameter(t, requires_grad=p.requires_grad)
 
 
 @dataclass

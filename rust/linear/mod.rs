@@ -314,16 +314,8 @@ fn block_len(n: usize, threads: usize) -> usize {
     per.div_ceil(16).max(1) * 16
 }
 
-/// Weight bytes below which a call runs on the calling thread alone: waking the pool's other
-/// threads costs tens of microseconds, more than they save on a small matrix (measured on a
-/// 2-core Xeon: a 1024 x 1024 bf16 row 63 us on one thread, 83 us on two; 256 x 1024, 19 against
-/// 62 us; from 4096 x 4096 on, two threads lead).
-pub const PARALLEL_MIN_BYTES: usize = 4 << 20;
-
 fn run<P: LinearPath>(pool: Option<&rayon::ThreadPool>, job: &Job<'_>, out: ActMut<'_>) {
     let Shape { rows, n, .. } = job.shape;
-    let bytes = job.w.len() * if matches!(job.w, Weight::Bf16(_)) { 2 } else { 1 };
-    let pool = pool.filter(|_| bytes >= PARALLEL_MIN_BYTES);
     let threads = pool.map_or(1, |p| p.current_num_threads());
     let block = block_len(n, threads);
     let prep = P::prepare(job);

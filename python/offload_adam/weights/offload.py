@@ -308,7 +308,7 @@ class WeightOffload:
         ``"decode"``, how many block calls ran ``"stream"`` and ``"cpu"``), ``cpu_s`` (time in
         blocks run on the CPU), ``hidden_bytes`` and ``kv_bytes`` (what crossed for them),
         ``native_calls`` and ``torch_calls`` (their ``F.linear`` calls the native kernel ran, and
-        torch's: see ``native_matmul``), and with
+        torch's: see ``native_matmul``; ``native_bf16``: whether bf16 weights go to it), and with
         ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
         ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0)."""
@@ -322,7 +322,7 @@ class WeightOffload:
         hc = (
             self.host_calls.report()
             if self.host_calls is not None
-            else {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0, "native_calls": 0, "torch_calls": 0}
+            else {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0, "native_calls": 0, "torch_calls": 0, "native_bf16": False}
         )
         out: dict[str, Any] = {
             "device": str(self.device.torch_device) if on_device else "cpu",

@@ -476,6 +476,25 @@ def test_smaller_items_a_tensor_of_another_device_warns_and_graph_capture_is_ref
         ao.close()
 
 
+def test_flush_writes_even_when_no_copy_out_had_run_by_the_last_save(nvme_dir: str) -> None:
+    """flush() wrote nothing when no saved storage's copy out had run while the forward saved
+    (the page store is made at the first write, and flush looked for it): the regions stayed in
+    RAM. The d2h stream held through the forward makes that case every time."""
+    with testing.simulated_device(seed=1, max_delay_s=0.0) as sim:
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        release = sim.hold(sim.d2h)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        release()
+        assert ao.report()["write_bytes"] == 0  # nothing could be written behind
+        ao.flush()
+        assert ao.report()["write_bytes"] >= 6 * 64 * 64 * 4
+        loss.backward()
+        ao.close()
+    assert sim.violations == []
+
+
 def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
     """The activations' NVMe ranges go through the runtime's page store, CRC included (they had
     none): a range corrupted on the disk is a clear error naming the file when it is read back."""
@@ -484,6 +503,7 @@ def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
             loss = m(x).sum()
+        ao.flush()  # every saved storage on the SSD, whether or not its copy out had run by the last save
         assert ao.store is not None and ao.report()["write_bytes"] > 0
         f = ao.files[0]
         with open(f.path, "r+b") as fh:

@@ -446,7 +446,7 @@ class ActivationOffload:
         if self.storage != "nvme":
             return
         with self.lock:
-            if self.store is not None:
+            if self.store is not None or self.writes:  # (the store is made at the first write)
                 self._write_behind(all_of_them=True)
 
     def report(self) -> dict[str, Any]:

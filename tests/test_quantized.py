@@ -5,7 +5,8 @@ quantized bytes cross, never a dequantized copy. Exact: logits and a 24-token gr
 bitwise those of the same model quantized and kept resident, for every storage, placement and
 ``device="cpu"``, on GPT-2 (tied embeddings) and Llama (grouped-query attention).
 
-torchao is a dependency of these tests only: the package never imports it."""
+torchao is a dependency of these tests only: the package imports it only to apply a config given
+to ``quantize=``, and names none of its classes."""
 
 from __future__ import annotations
 

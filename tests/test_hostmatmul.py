@@ -132,20 +132,27 @@ def test_the_custom_op_passes_opcheck() -> None:
 
 def test_plain_layers_which_the_kernel_takes() -> None:
     lin = torch.nn.Linear(64, 16).to(torch.bfloat16)
-    nl = hm.native_linear(lin)
-    assert nl is not None and nl.kind == "bf16"
+    parts = hm.weight_parts(lin.weight)
+    assert not isinstance(parts, str) and parts.kind == "bf16"
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        assert nl.applies(x) and not nl.applies(torch.randn(17, 64, dtype=torch.bfloat16))
-        assert not nl.applies(x.half())
-        y64, a = reference(x, lin.weight.double(), lin.bias)
-        assert bool(((nl(x).double() - y64).abs() <= bound(64, a, y64, True)).all())
-    assert not nl.applies(x)  # grad mode with a weight that wants one
-    assert hm.native_linear(torch.nn.Linear(64, 16)) is None  # float32 weight
+    mode = hm.NativeMatmul(bf16=True)
+    with torch.no_grad(), mode:
+        y = lin(x)
+        assert mode.native_calls == 1
+        lin(torch.randn(17, 64, dtype=torch.bfloat16))  # more rows than MAX_ROWS
+        torch.nn.Linear(64, 16).half()(x.half())  # float16: not the kernel's
+        assert mode.native_calls == 1 and mode.torch_calls == 2
+    y64, a = reference(x, lin.weight.double(), lin.bias)
+    assert bool(((y.double() - y64).abs() <= bound(64, a, y64, True)).all())
+    with mode:
+        lin(x)  # grad mode with a weight that wants one
+        torch.nn.Linear(64, 16)(x.float())  # float32 weight
+        assert mode.native_calls == 1 and mode.torch_calls == 4
+        torch.nn.Conv1d(4, 4, 1)(torch.randn(1, 4, 3))  # not a linear: not the mode's
+        assert mode.torch_calls == 4
     assert hm.weight_parts(torch.nn.Linear(64, 16).weight) == (
         "plain torch.float32 weight (the kernel reads bfloat16, int8 or fp8 weights)"
     )
-    assert hm.native_linear(torch.nn.Conv1d(4, 4, 1)) is None
 
 
 # torchao: a test dependency (requirements-dev.txt); its weight-only configs quantize bf16 Linears.
@@ -169,15 +176,15 @@ def _quantized(config: object, n: int = 96, k: int = 512, bias: bool = True) -> 
 def test_torchao_weight_only_linear_matches_its_dequantized_matmul(config: str, kind: str) -> None:
     lin = _quantized(getattr(quantization, config)())
     assert type(lin.weight) is not torch.nn.Parameter and hasattr(lin.weight, "__tensor_flatten__")
-    nl = hm.native_linear(lin)
-    assert nl is not None and nl.kind == kind
     parts = hm.weight_parts(lin.weight)
-    assert not isinstance(parts, str)
+    assert not isinstance(parts, str) and parts.kind == kind
     w64 = parts.data.double() * parts.scale.double().reshape(-1, 1)  # type: ignore[union-attr]
+    mode = hm.NativeMatmul()
     for rows in (1, 5):
         x = torch.randn(rows, 512, dtype=torch.bfloat16)
         with torch.no_grad():
-            ours = nl(x).double()
+            with mode:
+                ours = lin(x).double()
             theirs = F.linear(x, lin.weight.dequantize(), lin.bias).double()  # type: ignore[operator]
             eager = lin(x).double()
         y64, a = reference(x, w64, lin.bias)
@@ -189,13 +196,17 @@ def test_torchao_weight_only_linear_matches_its_dequantized_matmul(config: str, 
         assert bool(((theirs - y64).abs() <= theirs_lim).all())
         assert bool(((ours - theirs).abs() <= lim + theirs_lim).all())
         assert bool(((ours - eager).abs() <= lim + theirs_lim).all())
+    assert mode.native_calls == 2 and mode.torch_calls == 0
 
 
 def test_torchao_layers_the_kernel_does_not_take() -> None:
     lin = _quantized(quantization.Int8WeightOnlyConfig())
     lin.weight.zero_point.fill_(1)
     assert hm.weight_parts(lin.weight) == "zero_point is not all zeros (asymmetric quantization)"
-    assert hm.native_linear(lin) is None
+    mode = hm.NativeMatmul()
+    with torch.no_grad(), mode:
+        lin(torch.randn(1, 512, dtype=torch.bfloat16))
+    assert mode.native_calls == 0 and mode.torch_calls == 1
     dyn = _quantized(quantization.Int8DynamicActivationInt8WeightConfig())
     reason = hm.weight_parts(dyn.weight)
     assert isinstance(reason, str) and "quantizes the activations too" in reason
@@ -220,27 +231,13 @@ def _tiny_llama(dtype: torch.dtype) -> torch.nn.Module:
     return model  # type: ignore[no-any-return]
 
 
-class _Native:
-    """Every Linear of ``model`` run by the kernel while active (a forward hook replacing its output)."""
+class _Native(hm.NativeMatmul):
+    """Every Linear of ``model`` run by the kernel while active, the prompt's rows too (up to 64)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.natives = {m: hm.native_linear(m, max_rows=64) for m in model.modules() if isinstance(m, torch.nn.Linear)}
-        assert self.natives and all(n is not None and n.kind == "int8" for n in self.natives.values())
-        self.calls = 0
-
-    def hook(self, m: torch.nn.Module, args: tuple[torch.Tensor, ...], out: torch.Tensor) -> torch.Tensor:
-        nl = self.natives[m]
-        assert nl is not None and nl.applies(args[0])
-        self.calls += 1
-        return nl(args[0])
-
-    def __enter__(self) -> _Native:
-        self.handles = [m.register_forward_hook(self.hook) for m in self.natives]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for h in self.handles:
-            h.remove()
+        super().__init__(max_rows=64)
+        self.linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        assert self.linears and all(hm.weight_parts(m.weight).kind == "int8" for m in self.linears)  # type: ignore[union-attr]
 
 
 def _greedy(model: torch.nn.Module, prompt: torch.Tensor, steps: int = 12) -> tuple[list[int], torch.Tensor]:
@@ -263,7 +260,7 @@ def test_a_quantized_float32_model_keeps_its_logits_and_greedy_tokens() -> None:
     want, want_logits = _greedy(model, prompt)
     with _Native(model) as native:
         got, got_logits = _greedy(model, prompt)
-    assert native.calls == 12 * len(native.natives)
+    assert native.native_calls == 12 * len(native.linears) and native.torch_calls == 0
     assert got == want
     assert float((got_logits - want_logits).abs().max()) <= 1e-2 * float(want_logits.abs().max())
 

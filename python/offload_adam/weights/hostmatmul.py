@@ -20,10 +20,10 @@ the activations' dtype (float32 or bfloat16); the Rust tests hold it to a float6
 within ``gamma_(in+4) * sum|x w s|`` (plus half a bfloat16 ulp for bfloat16 outputs).
 
 ``linear_rows`` is the ``torch.library`` custom op (``offload_adam::linear_rows``) over the
-kernel; ``linear`` its typed entry; ``native_linear(module)`` says whether a layer can run it
-(``NativeLinear``, or None) and runs it; ``NativeMatmul`` is the torch-function mode that sends
-each ``F.linear`` it sees to the kernel where the kernel applies (``offload_weights`` enters it
-around the blocks that run on the CPU: ``placement.HostCalls``).
+kernel; ``linear`` its typed entry; ``weight_parts(weight)`` what the kernel reads of a weight
+(or why it cannot); ``NativeMatmul`` is the torch-function mode that sends each ``F.linear`` it
+sees to the kernel where the kernel applies (``offload_weights`` enters it around the blocks that
+run on the CPU: ``placement.HostCalls``; the benches and tests enter it around a model).
 """
 
 from __future__ import annotations
@@ -117,14 +117,13 @@ class WeightParts:
     scale: Tensor | None
 
 
-def weight_parts(weight: Tensor, *, check_values: bool = True) -> WeightParts | str:
+def weight_parts(weight: Tensor) -> WeightParts | str:
     """The parts of ``weight`` the kernel reads, or why it cannot (a sentence).
 
     A plain bfloat16 tensor is ``bf16``. A traceable wrapper subclass is read through
     ``__tensor_flatten__``: inner ``qdata`` (int8 or float8_e4m3fn, the weight's shape) and
     ``scale`` (one per output row, or one), nothing else but an all-zero ``zero_point``, and no
-    activation quantization in its context. ``check_values=False`` skips reading the zero point
-    (a call of a layer ``native_linear`` accepted: its bytes do not change, only where they are)."""
+    activation quantization in its context."""
     if not isinstance(weight, Tensor):
         return f"not a tensor ({type(weight).__name__})"
     if weight.dim() != 2:
@@ -154,65 +153,9 @@ def weight_parts(weight: Tensor, *, check_values: bool = True) -> WeightParts | 
     if s.dtype not in _SCALE_DTYPES or s.numel() not in (out, 1) or not s.is_contiguous():
         return f"scale of shape {tuple(s.shape)} and dtype {s.dtype}: not one per output row"
     zp = inner.get("zero_point")
-    if check_values and zp is not None and bool(zp.any()):
+    if zp is not None and bool(zp.any()):
         return "zero_point is not all zeros (asymmetric quantization)"
     return WeightParts(kind, q, s)
-
-
-class NativeLinear:
-    """A linear layer the kernel runs: ``self(x)`` is its forward for ``x`` of up to
-    ``max_rows`` rows (``applies(x)``). The weight is read from the module at each call (a
-    streamed block's parameters move between calls), by the inner tensors' names found when the
-    layer was accepted; a weight of another type is examined again."""
-
-    __slots__ = ("module", "kind", "max_rows", "_wtype")
-
-    def __init__(self, module: torch.nn.Linear, kind: Kind, max_rows: int = MAX_ROWS) -> None:
-        self.module = module
-        self.kind: Kind = kind
-        self.max_rows = max_rows
-        self._wtype = type(module.weight)
-
-    def __repr__(self) -> str:
-        return f"NativeLinear({type(self.module).__name__}, kind={self.kind!r}, max_rows={self.max_rows})"
-
-    def applies(self, x: Tensor) -> bool:
-        """Whether ``x`` is for the kernel: float32 or bfloat16 on the CPU, at most ``max_rows``
-        rows, no gradient wanted."""
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return (
-            x.dtype in _ACT_DTYPES
-            and x.device.type == "cpu"
-            and 0 < rows <= self.max_rows
-            and not (torch.is_grad_enabled() and (x.requires_grad or self.module.weight.requires_grad))
-        )
-
-    def __call__(self, x: Tensor) -> Tensor:
-        w = self.module.weight
-        if type(w) is not self._wtype:
-            parts = weight_parts(w)
-            if isinstance(parts, str):
-                raise ValueError(f"weight: {parts}")
-            self.kind, self._wtype = parts.kind, type(w)
-        # Attribute reads only: a wrapper subclass's methods go through its __torch_function__
-        # (tens of microseconds a call at decode); the kernel checks what it reads.
-        data, scale = (w, None) if self.kind == "bf16" else (getattr(w, "qdata"), getattr(w, "scale"))
-        bias = self.module.bias
-        return linear(x, data, scale, bias, self.kind)
-
-
-def native_linear(module: torch.nn.Module, max_rows: int = MAX_ROWS) -> NativeLinear | None:
-    """The native forward of ``module`` (an ``nn.Linear``: a ``weight`` ``[out, in]`` and a
-    ``bias`` or None) if the kernel reads its weight, else None (``weight_parts`` says why)."""
-    if not isinstance(module, torch.nn.Linear):
-        return None
-    parts = weight_parts(module.weight)
-    if isinstance(parts, str):
-        return None
-    bias = module.bias
-    if bias is not None and (bias.dtype not in _ACT_DTYPES or bias.device.type != "cpu" or not bias.is_contiguous()):
-        return None
-    return NativeLinear(module, parts.kind, max_rows)
 
 
 _BF16_FASTER: dict[int, bool] = {}  # threads -> whether the kernel's bfloat16 1-row matmul beat torch's here

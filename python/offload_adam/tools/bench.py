@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -194,6 +195,13 @@ def run_case(
     return result
 
 
+def _write_json(path: str | None, results: Any) -> None:
+    """``--json PATH``: the results as JSON (what JSON cannot hold, as its text)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m offload_adam bench", description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -250,33 +258,25 @@ def main(argv: list[str] | None = None) -> int:
 
         per_rank = max(1, args.threads // args.world)
         res = fsdp_bench.run(world=args.world, rounds=args.rounds, threads=per_rank, scale=args.scale)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(res, f, indent=1)
+        _write_json(args.json, res)
         return 0
     if args.activations:
         from . import activations_bench
 
         ares = activations_bench.run(rounds=args.rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(ares, f, indent=1)
+        _write_json(args.json, ares)
         return 0
     if args.linear:
         from . import linear_bench
 
         lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(lres, f, indent=1, default=str)
+        _write_json(args.json, lres)
         return 0
     if args.train_weights:
         from . import train_weights_bench
 
         tres = train_weights_bench.run(rounds=args.rounds, prefetch=args.prefetch)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(tres, f, indent=1)
+        _write_json(args.json, tres)
         return 0
     if args.placement:
         from . import placement_bench
@@ -289,26 +289,20 @@ def main(argv: list[str] | None = None) -> int:
             from . import linear_bench
 
             pres["linear"] = linear_bench.run(rounds=args.rounds, threads=args.threads, model=True)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(pres, f, indent=1, default=str)
+        _write_json(args.json, pres)
         return 0
     if args.weights:
         from . import weights_bench
 
         os.makedirs(args.weights, exist_ok=True)
         wres = weights_bench.run(args.weights, gb=args.weights_gb, prefetch=args.prefetch, rounds=args.rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(wres, f, indent=1)
+        _write_json(args.json, wres)
         return 0
     if args.nvme:
         from . import nvme_bench
 
         out = nvme_bench.run(args.nvme, params=args.nvme_params, rounds=args.rounds, threads=args.threads, raw_gb=args.raw_gb)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+        _write_json(args.json, out)
         return 0
     s = args.scale
     gpt2 = gpt2_small_shapes()
@@ -421,7 +415,5 @@ def main(argv: list[str] | None = None) -> int:
             res["many_over_flat_rate"] = rate
         results.append(res)
         del cs
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    _write_json(args.json, results)
     return 0

@@ -286,13 +286,10 @@ class WeightOffload:
         for m, name, buf in buffers:
             out = moved.get(id(buf))
             if out is None:
-                out = moved[id(buf)] = dev.empty(buf.numel(), buf.dtype, self.meter).view(buf.shape)
-                dev.copy_blocking([(out, buf)], dev.h2d)
+                out = moved[id(buf)] = self._to_device(buf)
             m._buffers[name] = out
         for p in self.kept:
-            out = dev.empty(p.numel(), p.dtype, self.meter).view(p.shape)
-            dev.copy_blocking([(out, p.detach())], dev.h2d)
-            p.data = out
+            p.data = self._to_device(p.detach())
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -428,6 +425,11 @@ class WeightOffload:
                 f"({'; '.join(str(err) for _, err in lost)}); everything else was freed and handed back. "
                 f"These parameters are left on the meta device: {', '.join(names)}",
             )
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        out = self.device.empty(t.numel(), t.dtype, self.meter).view(t.shape)
+        self.device.copy_blocking([(out, t)], self.device.h2d)
+        return out
 
     def _to_host(self, t: Tensor) -> Tensor:
         out = torch.empty(t.shape, dtype=t.dtype)

@@ -2,10 +2,13 @@
 (``hostmatmul.NativeMatmul``, entered by ``placement.HostCalls``) where it applies, to torch's
 otherwise; ``offload_weights(native_matmul=False)`` is torch's path, bitwise the resident model.
 
-Against torch's path the kernel sums in another order (both in float32, one rounding): the
-tokens of a greedy generate are the same and the logits within 1e-2 of the largest (the issue's
-bound) on a Llama whose weights are drawn wide (std 0.2: no exact ties between the top two
-logits, as at the default 0.02, for the two paths to break differently)."""
+Against torch's path the kernel sums in another order (both in float32, one rounding), so the
+logits of a step may differ by the bound (1e-2 of the largest, the issue's), and a greedy token
+may differ only where torch's top two logits are within twice that bound of each other: a near
+tie, which the two orders may break differently (they did on an AVX-512 FP16 Xeon). Past such a
+step the row's inputs differ and nothing is compared (``agree_where_decided``). The Llama's weights
+are drawn wide (std 0.2) so that exact ties between the top two logits, as at the default 0.02,
+are rare and most of the 24 steps are compared."""
 
 from __future__ import annotations
 
@@ -51,8 +54,31 @@ def generate(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
     return out.sequences, torch.stack(out.logits).float()
 
 
-def close_to(got: torch.Tensor, want: torch.Tensor) -> bool:
-    return float((got - want).abs().max()) <= 1e-2 * float(want.abs().max())
+def agree_where_decided(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> int:
+    """What the kernel's rounding allows a greedy generate, row by row and step by step while the
+    row's tokens so far are the same: the step's logits within the bound of torch's (1e-2 of the
+    largest), and the same token unless torch's top two logits are within twice the bound (a near
+    tie: both logits may move by the bound). A row whose token differs at such a step is compared
+    no further (its inputs differ from there). Returns how many (row, step) pairs were compared."""
+    (seq, logits), (want_seq, want_logits) = got, want
+    steps, rows = want_logits.shape[:2]
+    start = want_seq.shape[1] - steps
+    assert seq.shape == want_seq.shape and torch.equal(seq[:, :start], want_seq[:, :start])
+    compared = 0
+    for r in range(rows):
+        for i in range(steps):
+            g, w = logits[i, r], want_logits[i, r]
+            eps = 1e-2 * float(w.abs().max())
+            assert float((g - w).abs().max()) <= eps, f"row {r}, step {i}: logits beyond the bound"
+            compared += 1
+            top2 = w.topk(2).values
+            tok, want_tok = int(seq[r, start + i]), int(want_seq[r, start + i])
+            if float(top2[0] - top2[1]) > 2 * eps:
+                assert tok == want_tok, f"row {r}, step {i}: a decided token differs"
+            elif tok != want_tok:  # a near tie broken the other way: the row's later inputs differ
+                assert float(w[want_tok] - w[tok]) <= 2 * eps
+                break
+    return compared
 
 
 def no_mode_left() -> bool:
@@ -94,8 +120,7 @@ def test_the_cpu_as_the_device_decodes_on_the_kernel_as_torch_does(storage: str,
         assert no_mode_left()
         h.close()
     assert torch.equal(results[False][0], want[0]) and torch.equal(results[False][1], want[1])
-    assert torch.equal(results[True][0], results[False][0])
-    assert close_to(results[True][1], results[False][1])
+    assert agree_where_decided(results[True], results[False]) >= 2
 
 
 def test_placement_cpu_on_a_device_decodes_on_the_kernel_as_torch_does() -> None:
@@ -119,8 +144,7 @@ def test_placement_cpu_on_a_device_decodes_on_the_kernel_as_torch_does() -> None
             h.close()
         assert no_mode_left()
     assert torch.equal(results[False][0], want[0]) and torch.equal(results[False][1], want[1])
-    assert torch.equal(results[True][0], results[False][0])
-    assert close_to(results[True][1], results[False][1])
+    assert agree_where_decided(results[True], results[False]) >= 2
 
 
 def test_training_on_the_cpu_runs_torchs_kernels() -> None:

@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test install bench asv wheel lint clean generate docs
+.PHONY: demo test test-slow install bench asv wheel lint clean generate docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ runs/sums/model.safetensors: | install
 test: install
 	cargo test --quiet
 	$(BIN)/python -m pytest -q
+
+# The tests marked slow (fuzzing the checkpoint reader, minutes), which make test and CI skip.
+test-slow: install
+	$(BIN)/python -m pytest -q -m slow --run-slow
 
 bench: install
 	$(BIN)/python -m offload_adam bench

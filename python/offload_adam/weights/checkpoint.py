@@ -35,7 +35,9 @@ class Located:
 
 
 class Checkpoint:
-    """The tensors of a checkpoint and where their bytes are (see the module documentation)."""
+    """The tensors of a checkpoint and where their bytes are (see the module documentation).
+    Every file's header is read and checked here (``runtime.safetensors.Reader``), before any
+    tensor is."""
 
     def __init__(self, path: Any) -> None:
         path = os.fspath(path)
@@ -67,8 +69,14 @@ class Checkpoint:
                     self.tensors[name] = Located(name, fp, e, r.base)
             finally:
                 r.close()
-        self.io = _native.IoEngine()
+        self._io: _native.IoEngine | None = None  # made at the first read
         self._files: dict[str, int] = {}
+
+    @property
+    def io(self) -> _native.IoEngine:
+        if self._io is None:
+            self._io = _native.IoEngine()
+        return self._io
 
     def locate(self, blocks: list[Block], known: set[str]) -> dict[int, Located]:
         """Each parameter's tensor (by ``id``), checked: present under one of its names, with
@@ -145,3 +153,4 @@ class Checkpoint:
         for fid in self._files.values():
             self.io.close_file(fid)
         self._files = {}
+        self._io = None

@@ -1,7 +1,7 @@
 """Checkpoints validated as safetensors validates them (RELIABILITY.md, defect 1 and the
 checkpoint rows of section 10): every file's header is checked by safetensors' own rules before
-anything is read or changed, and a malformed file is one clear error naming the file and the
-tensor, the model left as it was."""
+anything is read or changed, and a malformed file or index is one clear error naming the file
+and the tensor, the model left as it was."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import json
 import os
 import random
 import re
+import shutil
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -253,3 +255,89 @@ def test_every_safetensors_dtype_torch_has_reads_as_safetensors_reads_it(tmp_pat
                 assert ours.dtype == theirs.dtype == dtype and ours.shape == theirs.shape, code
                 assert torch.equal(ours.reshape(-1).view(torch.uint8), theirs.reshape(-1).view(torch.uint8)), code
         r.close()
+
+
+# -- a sharded checkpoint's index ----------------------------------------------
+
+
+@pytest.fixture()
+def sharded(good: str, tmp_path: Any) -> Iterator[tuple[str, dict[str, str]]]:
+    """``good`` split in two shards in a folder, and its weight map."""
+    sd = load_file(good)
+    names = sorted(sd)
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, str(folder / file))
+        weight_map.update({k: file for k in part})
+    yield str(folder), weight_map
+
+
+def _index(folder: str, doc: Any, raw: str | None = None) -> str:
+    path = os.path.join(folder, "model.safetensors.index.json")
+    with open(path, "w") as f:
+        f.write(json.dumps(doc) if raw is None else raw)
+    return path
+
+
+def test_a_sharded_checkpoint_loads_its_shards_wherever_the_links_lead(sharded: tuple[str, dict[str, str]], good: str, tmp_path: Any) -> None:
+    """A shard in a subfolder, and one that is a symbolic link out of the folder (a Hugging Face
+    cache's snapshot links to its blobs): inside the folder by name, so read."""
+    folder, weight_map = sharded
+    os.mkdir(os.path.join(folder, "sub"))
+    os.rename(os.path.join(folder, "model-00001-of-00002.safetensors"), os.path.join(folder, "sub", "a.safetensors"))
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    os.rename(os.path.join(folder, "model-00002-of-00002.safetensors"), blobs / "b")
+    os.symlink(blobs / "b", os.path.join(folder, "b.safetensors"))
+    moved = {"model-00001-of-00002.safetensors": "sub/a.safetensors", "model-00002-of-00002.safetensors": "./b.safetensors"}
+    _index(folder, {"metadata": {}, "weight_map": {k: moved[v] for k, v in weight_map.items()}})
+    model = llama(1)
+    h = offload_adam.offload_weights(model, device="cpu", checkpoint=folder)
+    h.close()
+    want = load_file(good)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach().view(torch.int16), want[n].view(torch.int16)), n
+
+
+@pytest.mark.parametrize(
+    "doc, raw, match",
+    [
+        (None, "{'weight_map': {}}", r" is not JSON \(Expecting property name"),
+        ([], None, r" is an array, not a JSON object with a weight_map"),
+        ({"metadata": {}}, None, r" has no weight_map, not an object of tensor names to file names"),
+        ({"weight_map": ["model-00001-of-00002.safetensors"]}, None, r" has a weight_map that is an array, not an object"),
+        ({"weight_map": {DOWN1: 1}}, None, rf": weight_map\['{DOWN1}'\] is a number, not a file name"),
+    ],
+    ids=["not-json", "list", "no-weight-map", "weight-map-list", "file-not-str"],
+)
+def test_a_malformed_index_is_one_error_naming_it(doc: Any, raw: str | None, match: str, sharded: tuple[str, dict[str, str]]) -> None:
+    folder, _ = sharded
+    index = _index(folder, doc, raw)
+    refused(llama(1), folder, ValueError, "^" + re.escape(f"checkpoint: {index}") + match)
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute", "climbing"])
+def test_an_index_naming_a_file_outside_its_folder_is_refused(where: str, good: str, tmp_path: Any) -> None:
+    """transformers reads ``../outside.safetensors``; this package opens only files inside the
+    folder it is given (the checkpoint is complete: before, it loaded)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    outside = tmp_path / "outside.safetensors"
+    shutil.copy(good, outside)
+    file = {"parent": "../outside.safetensors", "absolute": str(outside), "climbing": "sub/../../outside.safetensors"}[where]
+    index = _index(str(folder), {"weight_map": {k: file for k in load_file(good)}})
+    match = "^" + re.escape(f"checkpoint: {index}: weight_map[") + r".*" + re.escape(f"] names {file!r}, outside the checkpoint's folder")
+    refused(llama(1), folder, ValueError, match)
+
+
+def test_a_tensor_in_two_shards_is_refused(sharded: tuple[str, dict[str, str]], good: str) -> None:
+    """Which one a reader takes is the reader's: neither is taken."""
+    folder, weight_map = sharded
+    third = os.path.join(folder, "model-extra.safetensors")
+    save_file({DOWN1: load_file(good)[DOWN0]}, third)
+    _index(folder, {"weight_map": {**weight_map, "extra": "model-extra.safetensors"}})
+    first = os.path.join(folder, weight_map[DOWN1])  # read first: the files are read in sorted order
+    refused(llama(1), folder, ValueError, re.escape(f"checkpoint: tensor '{DOWN1}' is in two files of {folder!r}: {first} and {third}"))

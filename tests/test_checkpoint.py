@@ -1,7 +1,7 @@
 """Checkpoints validated as safetensors validates them (RELIABILITY.md, defect 1 and the
 checkpoint rows of section 10): every file's header is checked by safetensors' own rules before
-anything is read or changed, and a malformed file or index is one clear error naming the file
-and the tensor, the model left as it was."""
+anything is read or changed, and a malformed file, index or ``checkpoint=`` argument is one
+clear error naming the file and the tensor, the model left as it was."""
 
 from __future__ import annotations
 
@@ -257,7 +257,13 @@ def test_every_safetensors_dtype_torch_has_reads_as_safetensors_reads_it(tmp_pat
         r.close()
 
 
-# -- a sharded checkpoint's index ----------------------------------------------
+# -- checkpoint=, and a sharded checkpoint's index ----------------------------------------------
+
+
+def test_a_checkpoint_that_is_not_a_path_is_a_type_error_naming_it(good: str) -> None:
+    model = llama(1)
+    for bad in (5, b"model.safetensors", [good]):
+        refused(model, bad, TypeError, r"^checkpoint must be a path \(str or os.PathLike\) to a .safetensors file or a folder, got")
 
 
 @pytest.fixture()

@@ -34,6 +34,17 @@ class Located:
     base: int  # where the file's data section starts
 
 
+def checkpoint_path(checkpoint: Any) -> str:
+    """``checkpoint=`` as a path, or a TypeError naming the argument."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = os.fspath(checkpoint)
+        if isinstance(path, str):
+            return path
+    raise TypeError(
+        f"checkpoint must be a path (str or os.PathLike) to a .safetensors file or a folder, got {type(checkpoint).__name__}"
+    )
+
+
 def shards(folder: str, index: str) -> list[str]:
     """The files a sharded checkpoint's index names, checked: the index is a JSON object whose
     ``weight_map`` maps tensor names to file names inside ``folder``. A file outside it (an
@@ -70,7 +81,7 @@ class Checkpoint:
     tensor is: a tensor in two shards is refused too."""
 
     def __init__(self, path: Any) -> None:
-        path = os.fspath(path)
+        path = checkpoint_path(path)
         if os.path.isdir(path):
             index = os.path.join(path, INDEX)
             if os.path.isfile(index):

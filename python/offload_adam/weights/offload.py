@@ -579,8 +579,8 @@ def offload_weights(
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
     if checkpoint is not None:
-        # Every file's header, checked before anything changes: tie_weights() and quantize= act
-        # on the model before the offload reads the checkpoint.
+        # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
+        # changes: tie_weights() and quantize= act on the model before the offload reads it.
         Checkpoint(checkpoint).close()
     keep: frozenset[int] = frozenset()
     if resident is not None:

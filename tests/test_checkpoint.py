@@ -1,10 +1,13 @@
 """Checkpoints validated as safetensors validates them (RELIABILITY.md, defect 1 and the
 checkpoint rows of section 10): every file's header is checked by safetensors' own rules before
 anything is read or changed, and a malformed file, index or ``checkpoint=`` argument is one
-clear error naming the file and the tensor, the model left as it was."""
+clear error naming the file and the tensor, the model left as it was. The reader is fuzzed
+against safetensors itself (hypothesis): it accepts exactly the files safetensors accepts (but
+for the stricter rules stated in :func:`stated_exception`) and reads the same bytes."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -16,6 +19,9 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.configuration import set_hypothesis_home_dir
 
 import offload_adam
 from offload_adam.runtime.safetensors import DTYPES, Reader
@@ -347,3 +353,202 @@ def test_a_tensor_in_two_shards_is_refused(sharded: tuple[str, dict[str, str]], 
     _index(folder, {"weight_map": {**weight_map, "extra": "model-extra.safetensors"}})
     first = os.path.join(folder, weight_map[DOWN1])  # read first: the files are read in sorted order
     refused(llama(1), folder, ValueError, re.escape(f"checkpoint: tensor '{DOWN1}' is in two files of {folder!r}: {first} and {third}"))
+
+
+# -- fuzzing against safetensors ----------------------------------------------------------------
+
+CODES = sorted(DTYPES.values())
+ITEM = {code: torch.empty((), dtype=dt).element_size() for dt, code in DTYPES.items()}
+OTHER_CODES = ["F4", "F6_E2M3", "F6_E3M2", "f32", "F32 ", "", "U128", "__metadata__"]
+SUB_BYTE = {"F4", "F6_E2M3", "F6_E3M2"}
+FIELDS = ["dtype", "shape", "data_offsets"]
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**66), 2**66) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=4),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    max_leaves=8,
+)
+INTS = st.integers(-4, 48) | st.sampled_from([2**63, 2**64 - 1, 2**64, -(2**63)])
+
+
+@st.composite
+def mutate(draw: Any, header: Any, data: bytes) -> tuple[Any, bytes]:
+    """One change to a header or its data: offsets, dtypes, shapes, fields of every JSON type,
+    fields missing or added, entries that are not objects, the metadata, a header that is not
+    an object, bytes added or cut."""
+    kind = draw(st.sampled_from(["offsets", "dtype", "shape", "field", "delete", "extra", "entry", "new", "metadata", "header", "data"]))
+    if kind == "data":
+        return header, data + draw(st.binary(min_size=1, max_size=8)) if draw(st.booleans()) else data[: -draw(st.integers(1, 8))]
+    if kind == "header":
+        return draw(JSON.filter(lambda x: not isinstance(x, dict))), data
+    if not isinstance(header, dict):
+        return header, data
+    if kind == "metadata":
+        header["__metadata__"] = draw(JSON | st.dictionaries(st.text(max_size=4), st.text(max_size=4), max_size=2))
+        return header, data
+    if kind == "new":
+        header[draw(st.text(max_size=4))] = {"dtype": draw(st.sampled_from(CODES)), "shape": draw(st.lists(INTS, max_size=2)), "data_offsets": draw(st.lists(INTS, min_size=2, max_size=2))}
+        return header, data
+    names = [k for k in header if k != "__metadata__"]
+    if not names:
+        return header, data
+    name = draw(st.sampled_from(names))
+    if kind == "entry":
+        e = header[name]
+        array = [e.get(f) for f in FIELDS] if isinstance(e, dict) else [e]
+        header[name] = draw(JSON | st.just(array))
+        return header, data
+    e = header[name]
+    if not isinstance(e, dict):
+        return header, data
+    if kind == "offsets":
+        others = [header[k]["data_offsets"] for k in names if isinstance(header[k], dict) and "data_offsets" in header[k]]
+        how = draw(st.sampled_from(["random", "swap", "copy", "shift"]))
+        if how == "random" or "data_offsets" not in e or not isinstance(e["data_offsets"], list):
+            e["data_offsets"] = draw(st.lists(INTS, min_size=2, max_size=2))
+        elif how == "swap":
+            e["data_offsets"] = e["data_offsets"][::-1]
+        elif how == "copy" and others:
+            e["data_offsets"] = copy.deepcopy(draw(st.sampled_from(others)))
+        else:
+            e["data_offsets"] = [o + draw(st.integers(-8, 8)) if isinstance(o, int) else o for o in e["data_offsets"]]
+    elif kind == "dtype":
+        e["dtype"] = draw(st.sampled_from(CODES + OTHER_CODES) | JSON)
+    elif kind == "shape":
+        e["shape"] = draw(st.lists(INTS, max_size=3) | st.sampled_from([[2**63, 2, 0], [2**32, 2**32], [2**64]]) | JSON)
+    elif kind == "field":
+        e[draw(st.sampled_from(FIELDS))] = draw(JSON)
+    elif kind == "delete":
+        e.pop(draw(st.sampled_from(FIELDS)), None)
+    else:
+        e[draw(st.text(max_size=4))] = draw(JSON)
+    return header, data
+
+
+@st.composite
+def files(draw: Any) -> bytes:
+    """A valid safetensors file of up to four small tensors (in any order of offsets), mutated
+    up to three times; sometimes its header's length or one of its bytes changed as well."""
+    tensors = [(f"t{i}", draw(st.sampled_from(CODES)), draw(st.lists(st.integers(0, 3), max_size=3))) for i in range(draw(st.integers(0, 4)))]
+    offsets, at = {}, 0
+    for i in draw(st.permutations(range(len(tensors)))):
+        name, code, shape = tensors[i]
+        n = ITEM[code]
+        for d in shape:
+            n *= d
+        offsets[name], at = [at, at + n], at + n
+    header: Any = {name: {"dtype": code, "shape": shape, "data_offsets": offsets[name]} for name, code, shape in tensors}
+    if draw(st.booleans()):
+        header["__metadata__"] = {"format": "pt"}
+    data = random.Random(draw(st.integers(0, 2**32))).randbytes(at)
+    for _ in range(draw(st.integers(0, 3))):
+        header, data = draw(mutate(header, data))
+    text = json.dumps(header, indent=draw(st.sampled_from([None, 1]))).encode()
+    text += b" " * draw(st.integers(0, 7))
+    n = len(text)
+    if draw(st.integers(0, 9)) == 0:
+        n = max(0, n + draw(st.integers(-3, 3)))
+    if text and draw(st.integers(0, 9)) == 0:
+        i = draw(st.integers(0, len(text) - 1))
+        text = text[:i] + bytes([draw(st.integers(0, 255))]) + text[i + 1 :]
+    return struct.pack("<Q", n) + text + data
+
+
+def stated_exception(header: bytes) -> bool:
+    """The rules where we are stricter than safetensors on purpose (``runtime.safetensors._parse``):
+    a key given twice, an entry that is not an object, a dtype that is not a string, a sub-byte
+    dtype, a dimension past torch's int64 sizes."""
+    twice = False
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal twice
+        twice |= len({k for k, _ in items}) != len(items)
+        return dict(items)
+
+    try:
+        h = json.loads(header.decode("utf-8"), object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return False
+    if twice:
+        return True
+    if not isinstance(h, dict):
+        return False
+    for k, e in h.items():
+        if k == "__metadata__":
+            continue
+        if not isinstance(e, dict):
+            return True
+        if "dtype" in e and (not isinstance(e["dtype"], str) or e["dtype"] in SUB_BYTE):
+            return True
+        shape = e.get("shape")
+        if isinstance(shape, list) and any(isinstance(d, int) and not isinstance(d, bool) and 2**63 <= d < 2**64 for d in shape):
+            return True
+    return False
+
+
+def check_against_safetensors(path: str, blob: bytes) -> None:
+    """Our reader refuses with a ValueError naming the file, or accepts; it accepts exactly the
+    files safetensors accepts, but for the stated exceptions; accepted tensors read the same."""
+    with open(path, "wb") as f:
+        f.write(blob)
+    try:
+        with safe_open(path, "pt"):
+            theirs = True
+    except SafetensorError:
+        theirs = False
+    try:
+        r = Reader(path)
+    except (ValueError, TypeError) as err:
+        assert path in str(err), err
+        (n,) = struct.unpack("<Q", blob[:8]) if len(blob) >= 8 else (0,)
+        assert not theirs or stated_exception(blob[8 : 8 + n]), f"safetensors accepts what we refused: {err}"
+        return
+    try:
+        assert theirs, "we accepted what safetensors refuses"
+        with safe_open(path, "pt") as f:
+            assert set(f.keys()) == set(r.entries)
+            for name in r.entries:
+                ours, want = r.read(name), f.get_tensor(name)
+                assert ours.dtype == want.dtype and ours.shape == want.shape, name
+                assert torch.equal(ours.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+    finally:
+        r.close()
+
+
+def fuzz(tmp_path: Any, examples: int, derandomize: bool) -> None:
+    """``examples`` files of :func:`files` checked by :func:`check_against_safetensors`. Nothing
+    is written outside ``tmp_path``: no example database, and hypothesis's cache of the constants
+    it finds in the source (its ``.hypothesis`` folder, in the working directory by default) is
+    put there too."""
+    count = iter(range(10**9))
+    where = tmp_path / "files"
+    where.mkdir()
+
+    @settings(
+        max_examples=examples, deadline=None, database=None, derandomize=derandomize,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    )  # fmt: skip
+    @given(files())
+    def prop(blob: bytes) -> None:
+        path = str(where / f"f{next(count)}.safetensors")  # a new file each time: safetensors maps them
+        try:
+            check_against_safetensors(path, blob)
+        finally:
+            os.remove(path)
+
+    set_hypothesis_home_dir(tmp_path / "hypothesis")
+    try:
+        prop()
+    finally:
+        set_hypothesis_home_dir(None)
+    assert os.listdir(where) == []
+
+
+def test_the_reader_accepts_what_safetensors_accepts_fuzzed_briefly(tmp_path: Any) -> None:
+    """The fuzz below, 50 examples, the same ones every run (CI's)."""
+    fuzz(tmp_path, 50, derandomize=True)
+
+
+@pytest.mark.slow
+def test_the_reader_accepts_what_safetensors_accepts_fuzzed(tmp_path: Any) -> None:
+    """Minutes of random headers (``--run-slow``): see :func:`check_against_safetensors`."""
+    fuzz(tmp_path, 30_000, derandomize=False)

@@ -292,7 +292,7 @@ def _parse(path: str, f: io.BufferedReader) -> tuple[dict[str, str], int, dict[s
             numel *= d
             if numel >= _U64:
                 raise ValueError(f"{where}: shape {shape} has more elements than 64 bits count")
-        item = torch.empty((), dtype=dtype).element_size()
+        item = dtype.itemsize
         if numel * item * 8 >= _U64:
             raise ValueError(f"{where}: shape {shape} of {code} has more bits than 64 bits count")
         if end - begin != numel * item:

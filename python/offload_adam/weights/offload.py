@@ -496,7 +496,9 @@ def offload_weights(
         checkpoint: a ``.safetensors`` file or an HF folder (sharded index or not) to load the
             weights from, into their storage, without materialising them: a model built with
             ``accelerate.init_empty_weights()`` then needs no RAM for a second copy (default:
-            None, the model's own weights).
+            None, the model's own weights). Every file's header is checked first, by
+            safetensors' own rules (each tensor's bytes within the file, exactly its size, no
+            two overlapping): a malformed file is a ValueError naming it and the tensor.
         gpu_budget_gb: GiB of device memory for the offload (default: None, which streams every
             block: the slowest choice when most blocks would fit). Whole blocks stay resident as
             far as they fit after the ring, small blocks first, then layers in order; leave room
@@ -576,6 +578,10 @@ def offload_weights(
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
+    if checkpoint is not None:
+        # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
+        # changes: tie_weights() and quantize= act on the model before the offload reads it.
+        Checkpoint(checkpoint).close()
     keep: frozenset[int] = frozenset()
     if resident is not None:
         if not callable(resident):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime import costs
+from ..runtime import checks, costs
 from ..runtime.device import HOST, Device, HostDevice, Meter, device_for, stream_device
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
@@ -491,8 +491,8 @@ def offload_weights(
         storage: where the streamed weights live (default: ``"cpu"``): ``"cpu"``, one pinned host
             allocation of exactly their bytes; ``"nvme"``, a file under ``nvme_dir``, read ahead
             by the I/O engine (for inference: training needs ``"cpu"``).
-        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
-            (default: None).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD, a
+            ``str``, ``os.PathLike`` or ``bytes`` path (default: None).
         checkpoint: a ``.safetensors`` file or an HF folder (sharded index or not) to load the
             weights from, into their storage, without materialising them: a model built with
             ``accelerate.init_empty_weights()`` then needs no RAM for a second copy (default:
@@ -501,6 +501,7 @@ def offload_weights(
             block: the slowest choice when most blocks would fit). Whole blocks stay resident as
             far as they fit after the ring, small blocks first, then layers in order; leave room
             for activations and the KV cache (``python -m offload_adam plan --inference`` sizes it).
+            At most 1 PiB (``inf`` is refused).
         prefetch: blocks copied ahead of the one running (default: 2; 0: none). The ring has
             ``prefetch + 1`` slots.
         blocks: the modules to stream as blocks (default: None, each layer of a ModuleList of
@@ -513,9 +514,10 @@ def offload_weights(
             streamed. Embeddings always look their rows up on the host; training always streams.
         host_budget_gb: with ``storage="nvme"``: GiB of RAM that keeps whole blocks (small blocks
             first, then layers) instead of reading them from the SSD each time (default: None,
-            none); it must hold the RAM ring of pages read ahead.
+            none); it must hold the RAM ring of pages read ahead. At most 1 PiB.
         num_threads: CPU threads of the blocks run on the CPU (default: None, torch's), so that a
-            home server keeps cores for its other services.
+            home server keeps cores for its other services; at most the CPUs this process may use
+            (``os.sched_getaffinity``), more is refused.
         native_matmul: whether the blocks run on the CPU multiply their ``F.linear`` of at most
             ``hostmatmul.MAX_ROWS`` (16) rows, a decode step, with the native kernel
             (``weights/hostmatmul.py``) where it applies, no gradient wanted; torch's kernels
@@ -549,28 +551,26 @@ def offload_weights(
     if storage == "nvme":
         if nvme_dir is None:
             raise ValueError('storage="nvme" needs nvme_dir: a directory on the SSD that holds the weights')
-        if not isinstance(nvme_dir, (str, os.PathLike)) or not os.path.isdir(nvme_dir):
-            raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
+        nvme_dir = checks.directory(nvme_dir, "nvme_dir")
     elif nvme_dir is not None:
         raise ValueError(f'nvme_dir is only used with storage="nvme", got storage={storage!r}')
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if gpu_budget_gb is not None and not (isinstance(gpu_budget_gb, (int, float)) and gpu_budget_gb >= 0):
-        raise ValueError(f"gpu_budget_gb must be a number >= 0 or None, got {gpu_budget_gb!r}")
+    if gpu_budget_gb is not None:
+        gpu_budget_gb = checks.size(gpu_budget_gb, "gpu_budget_gb", optional=True)
     if blocks is not None and not isinstance(blocks, (list, tuple)):
         raise TypeError(f"blocks must be a list of modules, got {type(blocks).__name__}")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if host_budget_gb is not None:
-        if not (isinstance(host_budget_gb, (int, float)) and not isinstance(host_budget_gb, bool) and host_budget_gb >= 0):
-            raise ValueError(f"host_budget_gb must be a number >= 0 or None, got {host_budget_gb!r}")
+        host_budget_gb = checks.size(host_budget_gb, "host_budget_gb", optional=True)
         if storage != "nvme":
             raise ValueError(
                 f'host_budget_gb is only used with storage="nvme" (the blocks kept in RAM instead of on the SSD), '
                 f"got storage={storage!r}: with storage='cpu' every weight is in RAM"
             )
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-        raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+    if num_threads is not None:
+        num_threads = checks.threads(num_threads, "num_threads")
     if native_matmul is not None and not isinstance(native_matmul, bool):
         raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):

@@ -440,3 +440,23 @@ def test_num_threads_above_the_cpus_this_process_may_use_is_refused(monkeypatch:
     assert AdamW(ps)._config["num_threads"] == 1
     monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
     assert AdamW(ps)._config["num_threads"] == 2
+
+
+def test_prefetch_far_above_the_streamed_blocks_warns_and_is_capped(nvme_dir: str) -> None:
+    """``prefetch=10**9`` with storage="nvme" on the CPU allocated RAM ring slots until memory ran
+    out (RELIABILITY.md defect 7): it warns and the ring holds at most the streamed blocks."""
+    from offload_adam import offload_weights
+
+    model = _Layers(n=6)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        want = model(x)
+    with pytest.warns(UserWarning, match=r"prefetch=1000000000 is more than the 6 streamed blocks; capped at 6"):
+        h = offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=10**9, native_matmul=False)
+    rep = h.report()
+    page = max(b.nbytes for b in h.blocks)
+    assert rep["streamed_blocks"] == 6 and h.prefetch == 6
+    assert 0 < rep["host_ring_bytes"] <= 6 * (page + 4096)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    h.close()

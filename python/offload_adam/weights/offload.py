@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import os
 import resource
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
 
 GiB = 1 << 30
+DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 STORAGES = ("cpu", "nvme")
 ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
 
@@ -38,6 +40,13 @@ def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], 
     size, n, made, later = ring_plan(list(blocks), list(streamed), own, prefetch, host_only=host_only)
     skip = host_only or set()
     return n * size + sum(blocks[b].nbytes for b in made | later if b not in skip)
+
+
+def staging_slots(prefetch: int, blocks: int, on_device: bool) -> int:
+    """Slots of the RAM ring NVMe pages are read into: a page being copied to the device (or run
+    by the CPU) and ``prefetch`` read ahead, and never more than the ``blocks`` it serves (on a
+    device, one more: a block's page still being copied while it is read again for the next pass)."""
+    return max(1, min(prefetch + (2 if on_device else 1), blocks + (1 if on_device else 0)))
 
 
 def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
@@ -184,29 +193,40 @@ class WeightOffload:
             # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
             # of prefetch + 1 pages the others are read into (None: none in RAM).
             self.resident = choose_resident(
-                self.blocks, host_budget, prefetch, buffer_bytes, ring=lambda streamed: (prefetch + 1) * page(streamed),
-                what="host_budget_gb",
+                self.blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
+                ring=lambda streamed: staging_slots(prefetch, len(streamed), False) * page(streamed),
             )  # fmt: skip
         streamed = [b.index for b in self.blocks if b.index not in self.resident]
         self.streamed = streamed
+        if prefetch > len(streamed):
+            # More blocks ahead than there are to read: the rings never hold more than the
+            # streamed blocks (prefetch=10**9 would allocate slots until memory ran out). Where
+            # nothing streams (every block resident) there is no ring, and nothing to say.
+            if prefetch > DEFAULT_PREFETCH and streamed:
+                warnings.warn(
+                    f"offload_weights: prefetch={prefetch} is more than the {len(streamed)} streamed block"
+                    f"{'s' if len(streamed) != 1 else ''}; capped at {len(streamed)}",
+                    stacklevel=3,
+                )
+            prefetch = len(streamed)
         self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
         if on_device and storage == "nvme" and host_budget is not None:
             self.in_ram = choose_resident(
-                self.blocks, host_budget, prefetch, 0, ring=lambda rest: (prefetch + 2) * page(rest),
-                what="host_budget_gb", among=streamed,
+                self.blocks, host_budget, prefetch, 0, what="host_budget_gb", among=streamed,
+                ring=lambda rest: staging_slots(prefetch, len(rest), True) * page(rest),
             )  # fmt: skip
         ck = Checkpoint(checkpoint) if checkpoint is not None else None
         where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
         stream_blocks = [self.blocks[i] for i in streamed]
-        slots = prefetch + (2 if on_device else 1)  # a page being copied (or run) and the next ones read ahead
         if storage == "nvme" and self.in_ram:
             on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
             self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
                 HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
-                NvmeWeights(device, self.arena, nvme_dir, on_disk, slots),
+                NvmeWeights(device, self.arena, nvme_dir, on_disk, staging_slots(prefetch, len(on_disk), on_device)),
                 self.in_ram,
             )
         elif storage == "nvme":
+            slots = staging_slots(prefetch, len(stream_blocks), on_device)
             self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
         else:
             self.source = HostWeights(self.arena, stream_blocks)
@@ -503,7 +523,8 @@ def offload_weights(
             for activations and the KV cache (``python -m offload_adam plan --inference`` sizes it).
             At most 1 PiB (``inf`` is refused).
         prefetch: blocks copied ahead of the one running (default: 2; 0: none). The ring has
-            ``prefetch + 1`` slots.
+            ``prefetch + 1`` slots, never more than the streamed blocks: a larger ``prefetch`` is
+            capped at their number, with a warning.
         blocks: the modules to stream as blocks (default: None, each layer of a ModuleList of
             repeated layers, and each other module with parameters of its own).
         placement: where a block that is not resident on the GPU runs (default: ``"stream"``,

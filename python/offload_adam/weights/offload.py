@@ -5,6 +5,7 @@ the device as far as ``gpu_budget_gb`` allows."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
 import warnings
@@ -32,6 +33,7 @@ GiB = 1 << 30
 DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 STORAGES = ("cpu", "nvme")
 ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
+log = logging.getLogger("offload_adam")
 
 
 def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int, host_only: set[int] | None = None) -> int:
@@ -251,9 +253,14 @@ class WeightOffload:
             self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
             for e, h in zip(b.entries, self.homes[i]):
                 set_home(e.param, h)
-        if self.placement == "auto" and cost_model is None:
+        # placement="auto": the cost model, and where its figures came from (report(), the log)
+        self.cost_model: dict[str, str] | None = None
+        if self.placement == "auto":
             dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
-            cost_model = costs.cached_model(dtype)
+            if cost_model is None:
+                cost_model = costs.cached_model(dtype)
+            self.cost_model = cost_model.describe(dtype)
+            log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
         self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
         self.streamer = Streamer(
             device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
@@ -328,7 +335,9 @@ class WeightOffload:
         torch's: see ``native_matmul``; ``native_bf16``: whether bf16 weights go to it), and with
         ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
-        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0)."""
+        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0); with
+        ``placement="auto"``, ``cost_model``: each figure its choices take and where it came from
+        (``runtime/costs.py``; None otherwise)."""
         st = self.streamer
         h2d_s, stall_s = st.timings()
         on_device = not isinstance(self.device, HostDevice)
@@ -344,6 +353,7 @@ class WeightOffload:
         out: dict[str, Any] = {
             "device": str(self.device.torch_device) if on_device else "cpu",
             "placement": self.placement,
+            "cost_model": self.cost_model,
             "gpu_peak_bytes": self.meter.peak if on_device else 0,
             "gpu_resident_bytes": resident if on_device else 0,
             "ring_bytes": st.ring_bytes,

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime import checks
 from ..runtime.device import Device, Meter, refuse_capture, stream_device
 from ..runtime.pages import ALIGN, IoStats, PageFile, PageStore, Transfer
 from ..runtime.pinned import FreeList, Region, align_up, slab_pool
@@ -531,8 +532,8 @@ def offload_activations(
         prefetch: storages copied back ahead of the one the backward needs (default: 2).
         storage: ``"cpu"`` (pinned host memory; the default) or ``"nvme"`` (written under
             ``nvme_dir`` behind the forward, read back during the backward).
-        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
-            (default: None).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD, a
+            ``str``, ``os.PathLike`` or ``bytes`` path (default: None).
         modules: restrict the offload to what these modules save (default: None, everything
             the forward inside the ``with`` saves).
         device: the CUDA device of the activations (default: None, the current one; inside
@@ -560,8 +561,8 @@ def offload_activations(
         raise ValueError("nvme_dir: storage='nvme' needs a directory (on an SSD)")
     if storage == "cpu" and nvme_dir is not None:
         raise ValueError("nvme_dir is only for storage='nvme'")
-    if storage == "nvme" and not (isinstance(nvme_dir, (str, os.PathLike)) and os.path.isdir(nvme_dir)):
-        raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
+    if storage == "nvme":
+        nvme_dir = checks.directory(nvme_dir, "nvme_dir")
     mods = [] if modules is None else [modules] if isinstance(modules, torch.nn.Module) else list(modules)
     dev = stream_device(device, "offload_activations moves a GPU's activations")
     return ActivationOffload(

@@ -5,15 +5,17 @@ the device as far as ``gpu_budget_gb`` allows."""
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import resource
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..runtime import costs
+from ..runtime import checks, costs
 from ..runtime.device import HOST, Device, HostDevice, Meter, device_for, stream_device
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
@@ -28,8 +30,10 @@ from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
 
 GiB = 1 << 30
+DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 STORAGES = ("cpu", "nvme")
 ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
+log = logging.getLogger("offload_adam")
 
 
 def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int, host_only: set[int] | None = None) -> int:
@@ -38,6 +42,13 @@ def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], 
     size, n, made, later = ring_plan(list(blocks), list(streamed), own, prefetch, host_only=host_only)
     skip = host_only or set()
     return n * size + sum(blocks[b].nbytes for b in made | later if b not in skip)
+
+
+def staging_slots(prefetch: int, blocks: int, on_device: bool) -> int:
+    """Slots of the RAM ring NVMe pages are read into: a page being copied to the device (or run
+    by the CPU) and ``prefetch`` read ahead, and never more than the ``blocks`` it serves (on a
+    device, one more: a block's page still being copied while it is read again for the next pass)."""
+    return max(1, min(prefetch + (2 if on_device else 1), blocks + (1 if on_device else 0)))
 
 
 def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
@@ -184,29 +195,40 @@ class WeightOffload:
             # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
             # of prefetch + 1 pages the others are read into (None: none in RAM).
             self.resident = choose_resident(
-                self.blocks, host_budget, prefetch, buffer_bytes, ring=lambda streamed: (prefetch + 1) * page(streamed),
-                what="host_budget_gb",
+                self.blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
+                ring=lambda streamed: staging_slots(prefetch, len(streamed), False) * page(streamed),
             )  # fmt: skip
         streamed = [b.index for b in self.blocks if b.index not in self.resident]
         self.streamed = streamed
+        if prefetch > len(streamed):
+            # More blocks ahead than there are to read: the rings never hold more than the
+            # streamed blocks (prefetch=10**9 would allocate slots until memory ran out). Where
+            # nothing streams (every block resident) there is no ring, and nothing to say.
+            if prefetch > DEFAULT_PREFETCH and streamed:
+                warnings.warn(
+                    f"offload_weights: prefetch={prefetch} is more than the {len(streamed)} streamed block"
+                    f"{'s' if len(streamed) != 1 else ''}; capped at {len(streamed)}",
+                    stacklevel=3,
+                )
+            prefetch = len(streamed)
         self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
         if on_device and storage == "nvme" and host_budget is not None:
             self.in_ram = choose_resident(
-                self.blocks, host_budget, prefetch, 0, ring=lambda rest: (prefetch + 2) * page(rest),
-                what="host_budget_gb", among=streamed,
+                self.blocks, host_budget, prefetch, 0, what="host_budget_gb", among=streamed,
+                ring=lambda rest: staging_slots(prefetch, len(rest), True) * page(rest),
             )  # fmt: skip
         ck = Checkpoint(checkpoint) if checkpoint is not None else None
         where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
         stream_blocks = [self.blocks[i] for i in streamed]
-        slots = prefetch + (2 if on_device else 1)  # a page being copied (or run) and the next ones read ahead
         if storage == "nvme" and self.in_ram:
             on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
             self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
                 HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
-                NvmeWeights(device, self.arena, nvme_dir, on_disk, slots),
+                NvmeWeights(device, self.arena, nvme_dir, on_disk, staging_slots(prefetch, len(on_disk), on_device)),
                 self.in_ram,
             )
         elif storage == "nvme":
+            slots = staging_slots(prefetch, len(stream_blocks), on_device)
             self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
         else:
             self.source = HostWeights(self.arena, stream_blocks)
@@ -231,9 +253,14 @@ class WeightOffload:
             self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
             for e, h in zip(b.entries, self.homes[i]):
                 set_home(e.param, h)
-        if self.placement == "auto" and cost_model is None:
+        # placement="auto": the cost model, and where its figures came from (report(), the log)
+        self.cost_model: dict[str, str] | None = None
+        if self.placement == "auto":
             dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
-            cost_model = costs.cached_model(dtype)
+            if cost_model is None:
+                cost_model = costs.cached_model(dtype)
+            self.cost_model = cost_model.describe(dtype)
+            log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
         self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
         self.streamer = Streamer(
             device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
@@ -308,7 +335,9 @@ class WeightOffload:
         torch's: see ``native_matmul``; ``native_bf16``: whether bf16 weights go to it), and with
         ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
-        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0)."""
+        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0); with
+        ``placement="auto"``, ``cost_model``: each figure its choices take and where it came from
+        (``runtime/costs.py``; None otherwise)."""
         st = self.streamer
         h2d_s, stall_s = st.timings()
         on_device = not isinstance(self.device, HostDevice)
@@ -324,6 +353,7 @@ class WeightOffload:
         out: dict[str, Any] = {
             "device": str(self.device.torch_device) if on_device else "cpu",
             "placement": self.placement,
+            "cost_model": self.cost_model,
             "gpu_peak_bytes": self.meter.peak if on_device else 0,
             "gpu_resident_bytes": resident if on_device else 0,
             "ring_bytes": st.ring_bytes,
@@ -491,8 +521,8 @@ def offload_weights(
         storage: where the streamed weights live (default: ``"cpu"``): ``"cpu"``, one pinned host
             allocation of exactly their bytes; ``"nvme"``, a file under ``nvme_dir``, read ahead
             by the I/O engine (for inference: training needs ``"cpu"``).
-        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
-            (default: None).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD, a
+            ``str``, ``os.PathLike`` or ``bytes`` path (default: None).
         checkpoint: a ``.safetensors`` file or an HF folder (sharded index or not) to load the
             weights from, into their storage, without materialising them: a model built with
             ``accelerate.init_empty_weights()`` then needs no RAM for a second copy (default:
@@ -503,8 +533,10 @@ def offload_weights(
             block: the slowest choice when most blocks would fit). Whole blocks stay resident as
             far as they fit after the ring, small blocks first, then layers in order; leave room
             for activations and the KV cache (``python -m offload_adam plan --inference`` sizes it).
+            At most 1 PiB (``inf`` is refused).
         prefetch: blocks copied ahead of the one running (default: 2; 0: none). The ring has
-            ``prefetch + 1`` slots.
+            ``prefetch + 1`` slots, never more than the streamed blocks: a larger ``prefetch`` is
+            capped at their number, with a warning.
         blocks: the modules to stream as blocks (default: None, each layer of a ModuleList of
             repeated layers, and each other module with parameters of its own).
         placement: where a block that is not resident on the GPU runs (default: ``"stream"``,
@@ -515,9 +547,10 @@ def offload_weights(
             streamed. Embeddings always look their rows up on the host; training always streams.
         host_budget_gb: with ``storage="nvme"``: GiB of RAM that keeps whole blocks (small blocks
             first, then layers) instead of reading them from the SSD each time (default: None,
-            none); it must hold the RAM ring of pages read ahead.
+            none); it must hold the RAM ring of pages read ahead. At most 1 PiB.
         num_threads: CPU threads of the blocks run on the CPU (default: None, torch's), so that a
-            home server keeps cores for its other services.
+            home server keeps cores for its other services; at most the CPUs this process may use
+            (``os.sched_getaffinity``), more is refused.
         native_matmul: whether the blocks run on the CPU multiply their ``F.linear`` of at most
             ``hostmatmul.MAX_ROWS`` (16) rows, a decode step, with the native kernel
             (``weights/hostmatmul.py``) where it applies, no gradient wanted; torch's kernels
@@ -551,28 +584,26 @@ def offload_weights(
     if storage == "nvme":
         if nvme_dir is None:
             raise ValueError('storage="nvme" needs nvme_dir: a directory on the SSD that holds the weights')
-        if not isinstance(nvme_dir, (str, os.PathLike)) or not os.path.isdir(nvme_dir):
-            raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
+        nvme_dir = checks.directory(nvme_dir, "nvme_dir")
     elif nvme_dir is not None:
         raise ValueError(f'nvme_dir is only used with storage="nvme", got storage={storage!r}')
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if gpu_budget_gb is not None and not (isinstance(gpu_budget_gb, (int, float)) and gpu_budget_gb >= 0):
-        raise ValueError(f"gpu_budget_gb must be a number >= 0 or None, got {gpu_budget_gb!r}")
+    if gpu_budget_gb is not None:
+        gpu_budget_gb = checks.size(gpu_budget_gb, "gpu_budget_gb", optional=True)
     if blocks is not None and not isinstance(blocks, (list, tuple)):
         raise TypeError(f"blocks must be a list of modules, got {type(blocks).__name__}")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if host_budget_gb is not None:
-        if not (isinstance(host_budget_gb, (int, float)) and not isinstance(host_budget_gb, bool) and host_budget_gb >= 0):
-            raise ValueError(f"host_budget_gb must be a number >= 0 or None, got {host_budget_gb!r}")
+        host_budget_gb = checks.size(host_budget_gb, "host_budget_gb", optional=True)
         if storage != "nvme":
             raise ValueError(
                 f'host_budget_gb is only used with storage="nvme" (the blocks kept in RAM instead of on the SSD), '
                 f"got storage={storage!r}: with storage='cpu' every weight is in RAM"
             )
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-        raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+    if num_threads is not None:
+        num_threads = checks.threads(num_threads, "num_threads")
     if native_matmul is not None and not isinstance(native_matmul, bool):
         raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):

@@ -5,6 +5,7 @@ the device as far as ``gpu_budget_gb`` allows."""
 from __future__ import annotations
 
 import errno
+import itertools
 import os
 import resource
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from .quantize import Quantizer, quantize_blocks, quantizer
 from .ring import plan as ring_plan
 from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
+from .undo import Undo, from_copy
 
 GiB = 1 << 30
 STORAGES = ("cpu", "nvme")
@@ -147,119 +149,124 @@ class WeightOffload:
         self.storage = storage
         self.placement = placement if not isinstance(device, HostDevice) else "cpu"
         on_device = not isinstance(device, HostDevice)
-        tie = getattr(model, "tie_weights", None)
-        if checkpoint is not None and callable(tie):
-            # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
-            # may come untied, and save_pretrained writes a tied parameter under one name only.
-            tie()
-        if quantize is not None:
-            quantize_blocks(model, blocks, checkpoint, quantize, keep)
-            checkpoint = None  # (read: the model is on the host now, quantized)
-        self.blocks = find_blocks(model, blocks, keep)
-        # resident=: parameters in no block, on the device for the whole offload (as buffers)
-        self.kept = [p for p in model.parameters() if id(p) in keep]
-        self.meter = Meter()
-        self.arena = PinnedArena(device)
-        buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
-        buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
-        own = own_slot_blocks(self.blocks)
-        host_only = host_only_blocks(self.blocks)
-        every = [b.index for b in self.blocks]
-        page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
-        host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
-        if on_device:
-            # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
-            # makes no general slots: a call that must stream makes its slot then).
-            general = self.placement != "cpu"
+        with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
+            tie = getattr(model, "tie_weights", None)
+            if checkpoint is not None and callable(tie):
+                # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
+                # may come untied, and save_pretrained writes a tied parameter under one name only.
+                tie()
+            if quantize is not None:
+                quantize_blocks(model, blocks, checkpoint, quantize, keep)
+                checkpoint = None  # (read: the model is on the host now, quantized)
+            self.blocks = find_blocks(model, blocks, keep)
+            # resident=: parameters in no block, on the device for the whole offload (as buffers)
+            self.kept = [p for p in model.parameters() if id(p) in keep]
+            self.meter = Meter()
+            self.arena = PinnedArena(device)
+            buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
+            buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
+            own = own_slot_blocks(self.blocks)
+            host_only = host_only_blocks(self.blocks)
+            every = [b.index for b in self.blocks]
+            page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
+            host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
+            if on_device:
+                # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
+                # makes no general slots: a call that must stream makes its slot then).
+                general = self.placement != "cpu"
 
-            def device_ring(streamed: list[int]) -> int:
-                size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
-                return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
+                def device_ring(streamed: list[int]) -> int:
+                    size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
+                    return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
 
-            budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
-            self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
-        elif storage == "cpu":
-            self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
-        else:
-            # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
-            # of prefetch + 1 pages the others are read into (None: none in RAM).
-            self.resident = choose_resident(
-                self.blocks, host_budget, prefetch, buffer_bytes, ring=lambda streamed: (prefetch + 1) * page(streamed),
-                what="host_budget_gb",
+                budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
+                self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
+            elif storage == "cpu":
+                self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
+            else:
+                # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
+                # of prefetch + 1 pages the others are read into (None: none in RAM).
+                self.resident = choose_resident(
+                    self.blocks, host_budget, prefetch, buffer_bytes, ring=lambda streamed: (prefetch + 1) * page(streamed),
+                    what="host_budget_gb",
+                )  # fmt: skip
+            streamed = [b.index for b in self.blocks if b.index not in self.resident]
+            self.streamed = streamed
+            self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
+            if on_device and storage == "nvme" and host_budget is not None:
+                self.in_ram = choose_resident(
+                    self.blocks, host_budget, prefetch, 0, ring=lambda rest: (prefetch + 2) * page(rest),
+                    what="host_budget_gb", among=streamed,
+                )  # fmt: skip
+            ck = Checkpoint(checkpoint) if checkpoint is not None else None
+            where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
+            stream_blocks = [self.blocks[i] for i in streamed]
+            slots = prefetch + (2 if on_device else 1)  # a page being copied (or run) and the next ones read ahead
+            if storage == "nvme" and self.in_ram:
+                on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
+                self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
+                    HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
+                    NvmeWeights(device, self.arena, nvme_dir, on_disk, slots),
+                    self.in_ram,
+                )
+            elif storage == "nvme":
+                self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
+            else:
+                self.source = HostWeights(self.arena, stream_blocks)
+            undo.add(self.source.close)
+            self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
+            try:
+                self._fill(ck, where, buffers, undo)
+                self.source.pin()
+            finally:
+                if ck is not None:
+                    ck.close()
+            triggers = {id(m): b.index for b in self.blocks for m in b.modules}
+            guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
+            # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
+            # next forward streams it from there); NVMe keeps none in memory.
+            self.homes: dict[int, list[Home]] = {}
+            undo.add(self._unset_homes)  # (undone before the fill: a parameter with a home, a weak reference, cannot be swapped back)
+            for i in streamed:
+                b = self.blocks[i]
+                host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
+                self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
+                for e, h in zip(b.entries, self.homes[i]):
+                    set_home(e.param, h)
+            if self.placement == "auto" and cost_model is None:
+                dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
+                cost_model = costs.cached_model(dtype)
+            self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
+            self.streamer = Streamer(
+                device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
+                placer=self.placer,
             )  # fmt: skip
-        streamed = [b.index for b in self.blocks if b.index not in self.resident]
-        self.streamed = streamed
-        self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
-        if on_device and storage == "nvme" and host_budget is not None:
-            self.in_ram = choose_resident(
-                self.blocks, host_budget, prefetch, 0, ring=lambda rest: (prefetch + 2) * page(rest),
-                what="host_budget_gb", among=streamed,
-            )  # fmt: skip
-        ck = Checkpoint(checkpoint) if checkpoint is not None else None
-        where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
-        stream_blocks = [self.blocks[i] for i in streamed]
-        slots = prefetch + (2 if on_device else 1)  # a page being copied (or run) and the next ones read ahead
-        if storage == "nvme" and self.in_ram:
-            on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
-            self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
-                HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
-                NvmeWeights(device, self.arena, nvme_dir, on_disk, slots),
-                self.in_ram,
-            )
-        elif storage == "nvme":
-            self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
-        else:
-            self.source = HostWeights(self.arena, stream_blocks)
-        self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
-        try:
-            self._fill(ck, where, buffers)
-            self.source.pin()
-        except BaseException:
-            self.source.close()
-            raise
-        finally:
-            if ck is not None:
-                ck.close()
-        triggers = {id(m): b.index for b in self.blocks for m in b.modules}
-        guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
-        # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
-        # next forward streams it from there); NVMe keeps none in memory.
-        self.homes: dict[int, list[Home]] = {}
-        for i in streamed:
-            b = self.blocks[i]
-            host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
-            self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
-            for e, h in zip(b.entries, self.homes[i]):
-                set_home(e.param, h)
-        if self.placement == "auto" and cost_model is None:
-            dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
-            cost_model = costs.cached_model(dtype)
-        self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
-        self.streamer = Streamer(
-            device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
-            placer=self.placer,
-        )  # fmt: skip
-        # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
-        # streamed block's modules that may run there, and with the CPU as the device every block's.
-        self.host_calls: HostCalls | None = None
-        if self.placement != "stream" or num_threads is not None:
-            self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul)
-            for b in self.blocks:
-                if b.index in self.streamed or not on_device:
-                    for m in b.modules:
-                        self.host_calls.attach(m, b.index)
-        self.prefetch = prefetch
-        self.num_threads = num_threads
-        self.native_matmul = native_matmul
-        self.closed = False
-        setattr(model, ATTR, self)
+            undo.add(self.streamer.close)
+            # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
+            # streamed block's modules that may run there, and with the CPU as the device every block's.
+            self.host_calls: HostCalls | None = None
+            if self.placement != "stream" or num_threads is not None:
+                self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul)
+                undo.add(self.host_calls.close)
+                for b in self.blocks:
+                    if b.index in self.streamed or not on_device:
+                        for m in b.modules:
+                            self.host_calls.attach(m, b.index)
+            self.prefetch = prefetch
+            self.num_threads = num_threads
+            self.native_matmul = native_matmul
+            self.closed = False
+            setattr(model, ATTR, self)
 
-    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]]) -> None:
+    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
-        the model's own tensors or the checkpoint, block by block; each block's host tensors
-        are freed once it is stored (its parameters then point to their placeholders), and the
-        storage's memory is touched only as it is filled (pinned after), so the host holds the
-        model at most once, plus a block."""
+        the model's own tensors or the checkpoint, block by block, its parameters then pointed
+        at their placeholders or device copies; ``undo`` records how to put each back (see
+        ``undo.py``). A block copied into host memory (the pinned copy, blocks kept in RAM, the
+        CPU as the device) lets its own tensors go at once, and the storage's memory is touched
+        only as it is filled (pinned after), so the host holds the model at most once, plus a
+        block; the others' tensors are kept until the offload is complete (the host holds them
+        anyway: they go to NVMe or the GPU)."""
         dev = self.device
         for b in self.blocks:
             resident = b.index in self.resident
@@ -270,26 +277,42 @@ class WeightOffload:
                 for e in b.entries:
                     for v, t in zip(e.views(dst), e.tensors()):
                         v.copy_(t)
+            host: Tensor | None = None  # the block's copy in host memory, if it has one
             if resident:
                 outs = [q.shaped(dev.empty(q.numel, q.dtype, self.meter)) for q in b.parts]
                 dev.copy_blocking([(o, q.view(dst)) for q, o in zip(b.parts, outs)], dev.h2d)
-                k = 0
-                for e in b.entries:
-                    e.attach(outs[k : k + len(e.parts)])
-                    k += len(e.parts)
+                cuts = [0, *itertools.accumulate(len(e.parts) for e in b.entries)]
+                parts = [outs[i:j] for i, j in zip(cuts, cuts[1:])]
+                copied = isinstance(dev, HostDevice)  # (the CPU as the device: this copy is theirs, ordinary host tensors)
             else:
                 self.source.store_block(b)
-                for e, ph in zip(b.entries, self.placeholders[b.index]):
-                    e.attach(ph)
+                if isinstance(self.source, (HostWeights, SplitWeights)):
+                    host = self.source.view(b)
+                copied = host is not None
+                parts = self.placeholders[b.index]
+            for e, part in zip(b.entries, parts):
+                on_meta = e.param.device.type == "meta"
+                back = e.attach(part)
+                if not copied or on_meta or undo.holds(e.param):
+                    undo.keep(e.param, back)
+                elif host is not None:
+                    undo.keep(e.param, from_copy(e, host))
+                del back  # (its own tensors go, unless kept)
             trim_host_memory()  # (the block's former tensors)
         moved: dict[int, Tensor] = {}
         for m, name, buf in buffers:
             out = moved.get(id(buf))
             if out is None:
                 out = moved[id(buf)] = self._to_device(buf)
-            m._buffers[name] = out
+            m._buffers[name] = out  # (undo puts the modules' buffers back)
         for p in self.kept:
+            undo.hold(p)
             p.data = self._to_device(p.detach())
+
+    def _unset_homes(self) -> None:
+        for i in self.homes:
+            for e in self.blocks[i].entries:
+                set_home(e.param, None)
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -380,9 +403,7 @@ class WeightOffload:
                 for h in hs:
                     h.ready.wait()  # an asynchronous step still writing it
                     h.release()  # its writer may no longer step it
-            for i in self.homes:
-                for e in self.blocks[i].entries:
-                    set_home(e.param, None)
+            self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
             self.streamer.close()
@@ -542,7 +563,11 @@ def offload_weights(
 
     Returns:
         The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
-        manager). Every error is raised before anything changes.
+        manager). Bad arguments are refused before anything changes. A failure after (an I/O
+        error storing a block, the device out of memory) puts the model back as it was,
+        bitwise: every parameter (the same object under every name, so ties hold; a model
+        filled from a checkpoint back on the meta device), buffer and module attribute; what
+        the offload wrote under ``nvme_dir`` is removed, and the error raised.
     """
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")

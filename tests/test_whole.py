@@ -3,7 +3,8 @@ completes or leaves every parameter exactly as it was, bitwise (the same objects
 names, their type, dtype, device, ``requires_grad`` and bytes; ties; buffers; the modules'
 attributes), with the error; no failure loses a weight, and nothing is left in ``nvme_dir``.
 The failures: a write error storing a block (RELIABILITY.md defect 2), a failure after every
-block is stored."""
+block is stored, a ``quantize=`` that raises or makes a dtype that cannot be offloaded
+(defect 3)."""
 
 from __future__ import annotations
 
@@ -185,3 +186,68 @@ def test_a_failure_after_every_block_is_stored_puts_back_every_weight(storage: s
         assert 0 < len(h.resident) < len(h.blocks)  # (both kinds of blocks were there)
         assert torch.equal(logits(model, x), want)
         h.close()
+
+
+# -- quantize= ------------------------------------------------------------------------------------
+
+
+def _quantize_all_but(stop: torch.nn.Module) -> Any:
+    torchao_q = pytest.importorskip("torchao.quantization")
+
+    def quantize(m: torch.nn.Module) -> None:
+        if m is stop:
+            raise RuntimeError("no kernel for this layer")
+        torchao_q.quantize_(m, torchao_q.Int8WeightOnlyConfig())
+
+    return quantize
+
+
+def _empty(model: torch.nn.Module, tmp_path: Any) -> tuple[torch.nn.Module, Any]:
+    """``model`` saved to a checkpoint, and the same architecture built empty (tied)."""
+    accelerate = pytest.importorskip("accelerate")
+    from safetensors.torch import save_model
+
+    ckpt = tmp_path / "model.safetensors"
+    save_model(model, str(ckpt))
+    with accelerate.init_empty_weights():
+        empty = type(model)(model.config).to(torch.bfloat16).eval()
+    empty.tie_weights()
+    return empty, ckpt
+
+
+@pytest.mark.parametrize("source", ["model", "checkpoint"])
+def test_a_quantize_that_raises_at_block_4_leaves_every_weight_as_it_was(source: str, tmp_path: Any, nvme_dir: str) -> None:
+    """Defect 3: the function raises at the fourth block (layer 2); the first three used to stay
+    int8 (14 tensors). Now the error names the block, and every parameter is the one it was, in
+    full precision (or on the meta device, loading from a checkpoint): bitwise, of its type,
+    the modules' attributes too (torchao's extra_repr)."""
+    model = llama(torch.bfloat16, 6, layers=4)
+    target, ckpt = (model, None) if source == "model" else _empty(model, tmp_path)
+    before = state(target)
+    quantize = _quantize_all_but(target.model.layers[2])
+    with pytest.raises(RuntimeError, match="no kernel for this layer") as err:
+        offload_adam.offload_weights(
+            target, device="cpu", storage="nvme", nvme_dir=nvme_dir, checkpoint=ckpt, quantize=quantize, **NATIVE_OFF
+        )  # fmt: skip
+    assert any("quantize=" in n and "model.layers.2" in n for n in getattr(err.value, "__notes__", []))
+    assert_as_before(target, before)
+    assert os.listdir(nvme_dir) == []
+    if source == "model":  # the next offload is exact
+        ref = copy.deepcopy(model)
+        x = prompt(6)
+        h = offload_adam.offload_weights(model, device="cpu", **NATIVE_OFF)
+        assert torch.equal(logits(model, x), logits(ref, x))
+        h.close()
+
+
+@pytest.mark.parametrize("source", ["model", "checkpoint"])
+def test_a_quantize_that_makes_float64_is_an_error_naming_it_and_changes_nothing(source: str, tmp_path: Any) -> None:
+    """Defect 3: a function that turns parameters into float64 used to leave the model converted
+    (the error came from the blocks found after it). Now the error names quantize= and the
+    parameter, and the model is as it was."""
+    model = llama(torch.bfloat16, 7, layers=2)
+    target, ckpt = (model, None) if source == "model" else _empty(model, tmp_path)
+    before = state(target)
+    with pytest.raises(TypeError, match=r"quantize: model\.embed_tokens\.weight is torch\.float64 after it"):
+        offload_adam.offload_weights(target, device="cpu", checkpoint=ckpt, quantize=lambda m: m.to(torch.float64))
+    assert_as_before(target, before)

@@ -156,7 +156,7 @@ class WeightOffload:
                 # may come untied, and save_pretrained writes a tied parameter under one name only.
                 tie()
             if quantize is not None:
-                quantize_blocks(model, blocks, checkpoint, quantize, keep)
+                quantize_blocks(model, blocks, checkpoint, quantize, keep, undo)
                 checkpoint = None  # (read: the model is on the host now, quantized)
             self.blocks = find_blocks(model, blocks, keep)
             # resident=: parameters in no block, on the device for the whole offload (as buffers)
@@ -557,17 +557,19 @@ def offload_weights(
             config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to each block
             by torchao's ``quantize_``), or a function called with each module of each block. With
             ``checkpoint``, each block is read in full precision and quantized before the next is
-            read: the host never holds the full-precision model. Quantized parameters (traceable
-            tensor subclasses, as torchao's) are stored and streamed as their inner tensors,
-            whether quantized here or before the call.
+            read: the host never holds the full-precision model. Without, the model's
+            full-precision tensors are kept until the offload is complete (a failure puts them
+            back): the host holds them and the quantized copy at once. Quantized parameters
+            (traceable tensor subclasses, as torchao's) are stored and streamed as their inner
+            tensors, whether quantized here or before the call.
 
     Returns:
         The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
         manager). Bad arguments are refused before anything changes. A failure after (an I/O
-        error storing a block, the device out of memory) puts the model back as it was,
-        bitwise: every parameter (the same object under every name, so ties hold; a model
-        filled from a checkpoint back on the meta device), buffer and module attribute; what
-        the offload wrote under ``nvme_dir`` is removed, and the error raised.
+        error storing a block, a ``quantize=`` that raises, the device out of memory) puts the
+        model back as it was, bitwise: every parameter (the same object under every name, so
+        ties hold; a model filled from a checkpoint back on the meta device), buffer and module
+        attribute; what the offload wrote under ``nvme_dir`` is removed, and the error raised.
     """
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")

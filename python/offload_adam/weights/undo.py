@@ -1,6 +1,6 @@
 """What an offload being set up changes on the model, and how to put it back: ``offload_weights``
 either completes or leaves the model exactly as it was, with the error (a write error storing a
-block, a device out of memory): every parameter the same object
+block, a ``quantize=`` that raises, a device out of memory): every parameter the same object
 under the same names (so ties hold) with its type, dtype, device, ``requires_grad`` and bytes;
 the buffers; the modules' attributes, with nothing of the offload's left on them.
 
@@ -10,7 +10,7 @@ a set-up that succeeds, so each parameter comes back one of three ways:
 
 - **its own tensor, kept** until the set-up completes: a parameter on the meta device (a model
   filled from a checkpoint comes back empty, as it was: no memory), one whose bytes go to NVMe
-  or to the GPU (the host holds it before the call anyway);
+  or to the GPU (the host holds it before the call anyway), one a quantization changes;
 - **its bytes, from their copy in host memory**, where the set-up copies them there (the pinned
   host copy, blocks kept in RAM) and frees its own tensor, so that the host never holds the
   model twice: read back into a tensor of its own (as ``close()`` hands weights back), or, with

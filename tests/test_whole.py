@@ -4,7 +4,8 @@ names, their type, dtype, device, ``requires_grad`` and bytes; ties; buffers; th
 attributes), with the error; no failure loses a weight, and nothing is left in ``nvme_dir``.
 The failures: a write error storing a block (RELIABILITY.md defect 2), a failure after every
 block is stored, a ``quantize=`` that raises or makes a dtype that cannot be offloaded
-(defect 3)."""
+(defect 3), and the bad ``quantize=`` and ``resident=`` values of its table, refused before
+anything changes."""
 
 from __future__ import annotations
 
@@ -251,3 +252,34 @@ def test_a_quantize_that_makes_float64_is_an_error_naming_it_and_changes_nothing
     with pytest.raises(TypeError, match=r"quantize: model\.embed_tokens\.weight is torch\.float64 after it"):
         offload_adam.offload_weights(target, device="cpu", checkpoint=ckpt, quantize=lambda m: m.to(torch.float64))
     assert_as_before(target, before)
+
+
+# -- the table's rows: refused before anything changes -------------------------------------------
+
+
+def _int8_class() -> Any:
+    return pytest.importorskip("torchao.quantization").Int8WeightOnlyConfig
+
+
+ROWS: dict[str, tuple[Any, str]] = {
+    "quantize-str": (lambda: {"quantize": "int8"}, r"quantize: 'int8' \(of type str\) is neither a torchao config .* nor a function of a module"),
+    "quantize-object": (lambda: {"quantize": object()}, r"quantize: <object object at .*> \(of type object\) is neither a torchao config"),
+    "quantize-class": (lambda: {"quantize": _int8_class()}, r"quantize: Int8WeightOnlyConfig is a class: pass an instance, Int8WeightOnlyConfig\(\)"),
+    "resident-str": (lambda: {"resident": lambda n, p: "no"}, r"resident must return a bool, got 'no' \(of type str\) for model\.embed_tokens\.weight"),
+    "resident-tensor": (lambda: {"resident": lambda n, p: torch.tensor([True, False])}, r"resident must return a bool, got a Tensor for model\.embed_tokens\.weight"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("row", list(ROWS))
+def test_bad_quantize_and_resident_are_clear_errors_before_anything_changes(row: str) -> None:
+    """RELIABILITY.md's table: ``quantize="int8"`` and ``quantize=object()`` were torchao's
+    AssertionError about generic callables, the config's class was called with each module
+    (another AssertionError), ``resident=`` answering ``"no"`` kept every parameter (a truthy
+    string) and one answering a tensor was torch's "Boolean value of Tensor" error."""
+    pytest.importorskip("torchao.quantization")
+    kw, match = ROWS[row]
+    model = llama(torch.bfloat16, 8, layers=2)
+    before = state(model)
+    with pytest.raises(TypeError, match=match):
+        offload_adam.offload_weights(model, device="cpu", **kw())
+    assert_as_before(model, before)

@@ -548,16 +548,17 @@ def offload_weights(
             agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
             once and cached: see ``offload_adam.runtime.costs``).
-        resident: a function of (name, parameter): the parameters it accepts are in no block,
-            kept on the device for the whole offload as the buffers are (default: None, none): a
-            LoRA adapter trained over a streamed frozen base (``resident=lambda n, p:
-            p.requires_grad``). They must hold their values (not on the meta device), and
-            ``placement`` must be ``"stream"``.
+        resident: a function of (name, parameter) returning a bool: the parameters it accepts
+            are in no block, kept on the device for the whole offload as the buffers are
+            (default: None, none): a LoRA adapter trained over a streamed frozen base
+            (``resident=lambda n, p: p.requires_grad``). They must hold their values (not on the
+            meta device), and ``placement`` must be ``"stream"``.
         quantize: quantize the weights as they load (default: None, as they are): a torchao
-            config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to each block
-            by torchao's ``quantize_``), or a function called with each module of each block. With
-            ``checkpoint``, each block is read in full precision and quantized before the next is
-            read: the host never holds the full-precision model. Without, the model's
+            config instance (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to
+            each block by torchao's ``quantize_``), or a function called with each module of each
+            block; a class, or anything else torchao does not take as a config, is a TypeError.
+            With ``checkpoint``, each block is read in full precision and quantized before the
+            next is read: the host never holds the full-precision model. Without, the model's
             full-precision tensors are kept until the offload is complete (a failure puts them
             back): the host holds them and the quantized copy at once. Quantized parameters
             (traceable tensor subclasses, as torchao's) are stored and streamed as their inner
@@ -607,7 +608,14 @@ def offload_weights(
     if resident is not None:
         if not callable(resident):
             raise TypeError(f"resident must be a function of (name, parameter), got {type(resident).__name__}")
-        kept = [(n, p) for n, p in model.named_parameters() if resident(n, p)]
+        kept = []
+        for n, p in model.named_parameters():
+            answer = resident(n, p)
+            if not isinstance(answer, bool):  # (a truthy string would keep every parameter)
+                got = f"a {type(answer).__name__}" if isinstance(answer, Tensor) else f"{answer!r} (of type {type(answer).__name__})"
+                raise TypeError(f"resident must return a bool, got {got} for {n}")
+            if answer:
+                kept.append((n, p))
         on_meta = [n for n, p in kept if p.device.type == "meta"]
         if on_meta:
             raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")

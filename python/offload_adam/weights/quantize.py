@@ -35,8 +35,15 @@ Quantizer = Callable[[torch.nn.Module], Any]
 
 def quantizer(quantize: Any) -> Quantizer:
     """``quantize`` as a function of a module: a callable as it is; anything else is a torchao
-    config, applied by torchao's ``quantize_``. Raises ValueError naming ``quantize`` if torchao
-    is not installed."""
+    config, applied by torchao's ``quantize_``. Raises, naming ``quantize``, before anything
+    changes: ValueError if torchao is not installed; TypeError for a class (a config's, not an
+    instance) and for what torchao's ``quantize_`` does not take as a config (tried on an empty
+    module)."""
+    if isinstance(quantize, type):
+        name = quantize.__name__
+        raise TypeError(
+            f"quantize: {name} is a class: pass an instance, {name}() (a torchao config), or a function of a module"
+        )
     if callable(quantize):
         fn: Quantizer = quantize
         return fn
@@ -47,6 +54,13 @@ def quantizer(quantize: Any) -> Quantizer:
             f"quantize: {type(quantize).__name__} is not callable, so it is taken for a torchao config, and torchao "
             f"cannot be imported ({err}): pip install torchao, or pass a function of a module"
         ) from None
+    try:
+        quantize_(torch.nn.Module(), quantize)  # (a config changes nothing here; torchao refuses anything else)
+    except Exception as err:
+        raise TypeError(
+            f"quantize: {quantize!r} (of type {type(quantize).__name__}) is neither a torchao config (an instance, such as "
+            "torchao.quantization.Int8WeightOnlyConfig()) nor a function of a module"
+        ) from err
     return lambda module: quantize_(module, quantize)
 
 

@@ -283,3 +283,40 @@ def test_bad_quantize_and_resident_are_clear_errors_before_anything_changes(row:
     with pytest.raises(TypeError, match=match):
         offload_adam.offload_weights(model, device="cpu", **kw())
     assert_as_before(model, before)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind", ["bf16", "int8"])
+def test_cuda_a_failure_after_every_block_is_stored_puts_back_every_weight(kind: str, monkeypatch: Any) -> None:
+    """On a GPU: quantized (wrapped) parameters change their device as they are attached (their
+    contents swapped), streamed ones from the pinned copy and resident ones alike; the ring's
+    allocation failing after every block is stored puts every one back on the host as it was,
+    and the next offload hands back the same bytes at close()."""
+    from offload_adam.weights import streamer
+
+    model = llama(torch.bfloat16, 9, layers=4)
+    if kind == "int8":
+        torchao_q = pytest.importorskip("torchao.quantization")
+        torchao_q.quantize_(model, torchao_q.Int8WeightOnlyConfig())
+    before = state(model)
+    total = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    kw: dict[str, Any] = {"device": "cuda", "gpu_budget_gb": 0.5 * total / 2**30, "prefetch": 1}
+
+    class OutOfMemory(streamer.Ring):  # type: ignore[misc,name-defined]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate the streaming ring")
+
+    with monkeypatch.context() as mp:
+        mp.setattr(streamer, "Ring", OutOfMemory)
+        with pytest.raises(torch.OutOfMemoryError, match="the streaming ring"):
+            offload_adam.offload_weights(model, **kw)
+    assert_as_before(model, before)
+    h = offload_adam.offload_weights(model, **kw)
+    assert 0 < len(h.resident) < len(h.blocks)
+    with torch.no_grad():
+        model(prompt(9).cuda())
+    h.close()
+    for n, (_, _, dtype, _, _, _, data) in before["params"].items():
+        p = dict(model.named_parameters(remove_duplicate=False))[n]
+        assert p.device.type == "cpu" and p.dtype == dtype
+        assert all(torch.equal(a, b) for a, b in zip(_tensors(p) or [], data, strict=True)), n

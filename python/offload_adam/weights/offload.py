@@ -5,6 +5,7 @@ the device as far as ``gpu_budget_gb`` allows."""
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import resource
@@ -28,6 +29,7 @@ from .quantize import Quantizer, quantize_blocks, quantizer
 from .ring import plan as ring_plan
 from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
+from .undo import Undo, from_copy
 
 GiB = 1 << 30
 DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
@@ -158,135 +160,140 @@ class WeightOffload:
         self.storage = storage
         self.placement = placement if not isinstance(device, HostDevice) else "cpu"
         on_device = not isinstance(device, HostDevice)
-        tie = getattr(model, "tie_weights", None)
-        if checkpoint is not None and callable(tie):
-            # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
-            # may come untied, and save_pretrained writes a tied parameter under one name only.
-            tie()
-        if quantize is not None:
-            quantize_blocks(model, blocks, checkpoint, quantize, keep)
-            checkpoint = None  # (read: the model is on the host now, quantized)
-        self.blocks = find_blocks(model, blocks, keep)
-        # resident=: parameters in no block, on the device for the whole offload (as buffers)
-        self.kept = [p for p in model.parameters() if id(p) in keep]
-        self.meter = Meter()
-        self.arena = PinnedArena(device)
-        buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
-        buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
-        own = own_slot_blocks(self.blocks)
-        host_only = host_only_blocks(self.blocks)
-        every = [b.index for b in self.blocks]
-        page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
-        host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
-        if on_device:
-            # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
-            # makes no general slots: a call that must stream makes its slot then).
-            general = self.placement != "cpu"
+        with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
+            tie = getattr(model, "tie_weights", None)
+            if checkpoint is not None and callable(tie):
+                # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
+                # may come untied, and save_pretrained writes a tied parameter under one name only.
+                tie()
+            if quantize is not None:
+                quantize_blocks(model, blocks, checkpoint, quantize, keep, undo)
+                checkpoint = None  # (read: the model is on the host now, quantized)
+            self.blocks = find_blocks(model, blocks, keep)
+            # resident=: parameters in no block, on the device for the whole offload (as buffers)
+            self.kept = [p for p in model.parameters() if id(p) in keep]
+            self.meter = Meter()
+            self.arena = PinnedArena(device)
+            buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
+            buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
+            own = own_slot_blocks(self.blocks)
+            host_only = host_only_blocks(self.blocks)
+            every = [b.index for b in self.blocks]
+            page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
+            host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
+            if on_device:
+                # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
+                # makes no general slots: a call that must stream makes its slot then).
+                general = self.placement != "cpu"
 
-            def device_ring(streamed: list[int]) -> int:
-                size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
-                return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
+                def device_ring(streamed: list[int]) -> int:
+                    size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
+                    return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
 
-            budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
-            self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
-        elif storage == "cpu":
-            self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
-        else:
-            # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
-            # of prefetch + 1 pages the others are read into (None: none in RAM).
-            self.resident = choose_resident(
-                self.blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
-                ring=lambda streamed: staging_slots(prefetch, len(streamed), False) * page(streamed),
-            )  # fmt: skip
-        streamed = [b.index for b in self.blocks if b.index not in self.resident]
-        self.streamed = streamed
-        if prefetch > len(streamed):
-            # More blocks ahead than there are to read: the rings never hold more than the
-            # streamed blocks (prefetch=10**9 would allocate slots until memory ran out). Where
-            # nothing streams (every block resident) there is no ring, and nothing to say.
-            if prefetch > DEFAULT_PREFETCH and streamed:
-                warnings.warn(
-                    f"offload_weights: prefetch={prefetch} is more than the {len(streamed)} streamed block"
-                    f"{'s' if len(streamed) != 1 else ''}; capped at {len(streamed)}",
-                    stacklevel=3,
+                budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
+                self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
+            elif storage == "cpu":
+                self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
+            else:
+                # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
+                # of prefetch + 1 pages the others are read into (None: none in RAM).
+                self.resident = choose_resident(
+                    self.blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
+                    ring=lambda streamed: staging_slots(prefetch, len(streamed), False) * page(streamed),
+                )  # fmt: skip
+            streamed = [b.index for b in self.blocks if b.index not in self.resident]
+            self.streamed = streamed
+            if prefetch > len(streamed):
+                # More blocks ahead than there are to read: the rings never hold more than the
+                # streamed blocks (prefetch=10**9 would allocate slots until memory ran out). Where
+                # nothing streams (every block resident) there is no ring, and nothing to say.
+                if prefetch > DEFAULT_PREFETCH and streamed:
+                    warnings.warn(
+                        f"offload_weights: prefetch={prefetch} is more than the {len(streamed)} streamed block"
+                        f"{'s' if len(streamed) != 1 else ''}; capped at {len(streamed)}",
+                        stacklevel=3,
+                    )
+                prefetch = len(streamed)
+            self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
+            if on_device and storage == "nvme" and host_budget is not None:
+                self.in_ram = choose_resident(
+                    self.blocks, host_budget, prefetch, 0, what="host_budget_gb", among=streamed,
+                    ring=lambda rest: staging_slots(prefetch, len(rest), True) * page(rest),
+                )  # fmt: skip
+            ck = Checkpoint(checkpoint) if checkpoint is not None else None
+            where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
+            stream_blocks = [self.blocks[i] for i in streamed]
+            if storage == "nvme" and self.in_ram:
+                on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
+                self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
+                    HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
+                    NvmeWeights(device, self.arena, nvme_dir, on_disk, staging_slots(prefetch, len(on_disk), on_device)),
+                    self.in_ram,
                 )
-            prefetch = len(streamed)
-        self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
-        if on_device and storage == "nvme" and host_budget is not None:
-            self.in_ram = choose_resident(
-                self.blocks, host_budget, prefetch, 0, what="host_budget_gb", among=streamed,
-                ring=lambda rest: staging_slots(prefetch, len(rest), True) * page(rest),
+            elif storage == "nvme":
+                slots = staging_slots(prefetch, len(stream_blocks), on_device)
+                self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
+            else:
+                self.source = HostWeights(self.arena, stream_blocks)
+            undo.add(self.source.close)
+            self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
+            try:
+                self._fill(ck, where, buffers, undo)
+                self.source.pin()
+            finally:
+                if ck is not None:
+                    ck.close()
+            triggers = {id(m): b.index for b in self.blocks for m in b.modules}
+            guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
+            # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
+            # next forward streams it from there); NVMe keeps none in memory.
+            self.homes: dict[int, list[Home]] = {}
+            undo.add(self._unset_homes)  # (undone before the fill: a parameter with a home, a weak reference, cannot be swapped back)
+            for i in streamed:
+                b = self.blocks[i]
+                host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
+                self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
+                for e, h in zip(b.entries, self.homes[i]):
+                    set_home(e.param, h)
+            # placement="auto": the cost model, and where its figures came from (report(), the log)
+            self.cost_model: dict[str, str] | None = None
+            if self.placement == "auto":
+                dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
+                if cost_model is None:
+                    cost_model = costs.cached_model(dtype)
+                self.cost_model = cost_model.describe(dtype)
+                log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
+            self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
+            self.streamer = Streamer(
+                device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
+                placer=self.placer,
             )  # fmt: skip
-        ck = Checkpoint(checkpoint) if checkpoint is not None else None
-        where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
-        stream_blocks = [self.blocks[i] for i in streamed]
-        if storage == "nvme" and self.in_ram:
-            on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
-            self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
-                HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
-                NvmeWeights(device, self.arena, nvme_dir, on_disk, staging_slots(prefetch, len(on_disk), on_device)),
-                self.in_ram,
-            )
-        elif storage == "nvme":
-            slots = staging_slots(prefetch, len(stream_blocks), on_device)
-            self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
-        else:
-            self.source = HostWeights(self.arena, stream_blocks)
-        self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
-        try:
-            self._fill(ck, where, buffers)
-            self.source.pin()
-        except BaseException:
-            self.source.close()
-            raise
-        finally:
-            if ck is not None:
-                ck.close()
-        triggers = {id(m): b.index for b in self.blocks for m in b.modules}
-        guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
-        # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
-        # next forward streams it from there); NVMe keeps none in memory.
-        self.homes: dict[int, list[Home]] = {}
-        for i in streamed:
-            b = self.blocks[i]
-            host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
-            self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
-            for e, h in zip(b.entries, self.homes[i]):
-                set_home(e.param, h)
-        # placement="auto": the cost model, and where its figures came from (report(), the log)
-        self.cost_model: dict[str, str] | None = None
-        if self.placement == "auto":
-            dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
-            if cost_model is None:
-                cost_model = costs.cached_model(dtype)
-            self.cost_model = cost_model.describe(dtype)
-            log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
-        self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
-        self.streamer = Streamer(
-            device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
-            placer=self.placer,
-        )  # fmt: skip
-        # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
-        # streamed block's modules that may run there, and with the CPU as the device every block's.
-        self.host_calls: HostCalls | None = None
-        if self.placement != "stream" or num_threads is not None:
-            self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul)
-            for b in self.blocks:
-                if b.index in self.streamed or not on_device:
-                    for m in b.modules:
-                        self.host_calls.attach(m, b.index)
-        self.prefetch = prefetch
-        self.num_threads = num_threads
-        self.native_matmul = native_matmul
-        self.closed = False
-        setattr(model, ATTR, self)
+            undo.add(self.streamer.close)
+            # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
+            # streamed block's modules that may run there, and with the CPU as the device every block's.
+            self.host_calls: HostCalls | None = None
+            if self.placement != "stream" or num_threads is not None:
+                self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul)
+                undo.add(self.host_calls.close)
+                for b in self.blocks:
+                    if b.index in self.streamed or not on_device:
+                        for m in b.modules:
+                            self.host_calls.attach(m, b.index)
+            self.prefetch = prefetch
+            self.num_threads = num_threads
+            self.native_matmul = native_matmul
+            self.closed = False
+            setattr(model, ATTR, self)
 
-    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]]) -> None:
+    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
-        the model's own tensors or the checkpoint, block by block; each block's host tensors
-        are freed once it is stored (its parameters then point to their placeholders), and the
-        storage's memory is touched only as it is filled (pinned after), so the host holds the
-        model at most once, plus a block."""
+        the model's own tensors or the checkpoint, block by block, its parameters then pointed
+        at their placeholders or device copies; ``undo`` records how to put each back (see
+        ``undo.py``). A block copied into host memory (the pinned copy, blocks kept in RAM, the
+        CPU as the device) lets its own tensors go at once, and the storage's memory is touched
+        only as it is filled (pinned after), so the host holds the model at most once, plus a
+        block; the others' tensors are kept until the offload is complete (the host holds them
+        anyway: they go to NVMe or the GPU)."""
         dev = self.device
         for b in self.blocks:
             resident = b.index in self.resident
@@ -297,26 +304,42 @@ class WeightOffload:
                 for e in b.entries:
                     for v, t in zip(e.views(dst), e.tensors()):
                         v.copy_(t)
+            host: Tensor | None = None  # the block's copy in host memory, if it has one
             if resident:
                 outs = [q.shaped(dev.empty(q.numel, q.dtype, self.meter)) for q in b.parts]
                 dev.copy_blocking([(o, q.view(dst)) for q, o in zip(b.parts, outs)], dev.h2d)
-                k = 0
-                for e in b.entries:
-                    e.attach(outs[k : k + len(e.parts)])
-                    k += len(e.parts)
+                cuts = [0, *itertools.accumulate(len(e.parts) for e in b.entries)]
+                parts = [outs[i:j] for i, j in zip(cuts, cuts[1:])]
+                copied = isinstance(dev, HostDevice)  # (the CPU as the device: this copy is theirs, ordinary host tensors)
             else:
                 self.source.store_block(b)
-                for e, ph in zip(b.entries, self.placeholders[b.index]):
-                    e.attach(ph)
+                if isinstance(self.source, (HostWeights, SplitWeights)):
+                    host = self.source.view(b)
+                copied = host is not None
+                parts = self.placeholders[b.index]
+            for e, part in zip(b.entries, parts):
+                on_meta = e.param.device.type == "meta"
+                back = e.attach(part)
+                if not copied or on_meta or undo.holds(e.param):
+                    undo.keep(e.param, back)
+                elif host is not None:
+                    undo.keep(e.param, from_copy(e, host))
+                del back  # (its own tensors go, unless kept)
             trim_host_memory()  # (the block's former tensors)
         moved: dict[int, Tensor] = {}
         for m, name, buf in buffers:
             out = moved.get(id(buf))
             if out is None:
                 out = moved[id(buf)] = self._to_device(buf)
-            m._buffers[name] = out
+            m._buffers[name] = out  # (undo puts the modules' buffers back)
         for p in self.kept:
+            undo.hold(p)
             p.data = self._to_device(p.detach())
+
+    def _unset_homes(self) -> None:
+        for i in self.homes:
+            for e in self.blocks[i].entries:
+                set_home(e.param, None)
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -410,9 +433,7 @@ class WeightOffload:
                 for h in hs:
                     h.ready.wait()  # an asynchronous step still writing it
                     h.release()  # its writer may no longer step it
-            for i in self.homes:
-                for e in self.blocks[i].entries:
-                    set_home(e.param, None)
+            self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
             self.streamer.close()
@@ -562,22 +583,29 @@ def offload_weights(
             agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
             once and cached: see ``offload_adam.runtime.costs``).
-        resident: a function of (name, parameter): the parameters it accepts are in no block,
-            kept on the device for the whole offload as the buffers are (default: None, none): a
-            LoRA adapter trained over a streamed frozen base (``resident=lambda n, p:
-            p.requires_grad``). They must hold their values (not on the meta device), and
-            ``placement`` must be ``"stream"``.
+        resident: a function of (name, parameter) returning a bool: the parameters it accepts
+            are in no block, kept on the device for the whole offload as the buffers are
+            (default: None, none): a LoRA adapter trained over a streamed frozen base
+            (``resident=lambda n, p: p.requires_grad``). They must hold their values (not on the
+            meta device), and ``placement`` must be ``"stream"``.
         quantize: quantize the weights as they load (default: None, as they are): a torchao
-            config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to each block
-            by torchao's ``quantize_``), or a function called with each module of each block. With
-            ``checkpoint``, each block is read in full precision and quantized before the next is
-            read: the host never holds the full-precision model. Quantized parameters (traceable
-            tensor subclasses, as torchao's) are stored and streamed as their inner tensors,
-            whether quantized here or before the call.
+            config instance (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to
+            each block by torchao's ``quantize_``), or a function called with each module of each
+            block; a class, or anything else torchao does not take as a config, is a TypeError.
+            With ``checkpoint``, each block is read in full precision and quantized before the
+            next is read: the host never holds the full-precision model. Without, the model's
+            full-precision tensors are kept until the offload is complete (a failure puts them
+            back): the host holds them and the quantized copy at once. Quantized parameters
+            (traceable tensor subclasses, as torchao's) are stored and streamed as their inner
+            tensors, whether quantized here or before the call.
 
     Returns:
         The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
-        manager). Every error is raised before anything changes.
+        manager). Bad arguments are refused before anything changes. A failure after (an I/O
+        error storing a block, a ``quantize=`` that raises, the device out of memory) puts the
+        model back as it was, bitwise: every parameter (the same object under every name, so
+        ties hold; a model filled from a checkpoint back on the meta device), buffer and module
+        attribute; what the offload wrote under ``nvme_dir`` is removed, and the error raised.
     """
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
@@ -617,7 +645,14 @@ def offload_weights(
     if resident is not None:
         if not callable(resident):
             raise TypeError(f"resident must be a function of (name, parameter), got {type(resident).__name__}")
-        kept = [(n, p) for n, p in model.named_parameters() if resident(n, p)]
+        kept = []
+        for n, p in model.named_parameters():
+            answer = resident(n, p)
+            if not isinstance(answer, bool):  # (a truthy string would keep every parameter)
+                got = f"a {type(answer).__name__}" if isinstance(answer, Tensor) else f"{answer!r} (of type {type(answer).__name__})"
+                raise TypeError(f"resident must return a bool, got {got} for {n}")
+            if answer:
+                kept.append((n, p))
         on_meta = [n for n, p in kept if p.device.type == "meta"]
         if on_meta:
             raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")

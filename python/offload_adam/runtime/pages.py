@@ -47,6 +47,7 @@ log = logging.getLogger("offload_adam")
 ALIGN = 4096  # bytes: O_DIRECT alignment of buffers, lengths and file offsets
 RUN_PREFIX = "offload-adam-run-"
 LOCK = "LOCK"
+MARKER = b"offload_adam run directory\n"  # how a run's LOCK begins: what makes a directory one of ours
 
 
 def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
@@ -61,21 +62,32 @@ def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
 # -- run directories ------------------------------------------------------------------------------
 
 
-def _lock(path: str) -> Any:
-    """An exclusive lock on ``path`` (kept while the returned file is open), or None if another
-    process holds it."""
-    f = open(path, "a+")
+def _lock(path: str) -> int | None:
+    """An exclusive lock on the existing file ``path`` (kept while the returned descriptor is
+    open), or None if another process holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        f.close()
+        os.close(fd)
         return None
-    return f
+    return fd
+
+
+def _ours(path: str) -> bool:
+    """Whether ``path`` is a run directory this package made: its LOCK begins with ``MARKER``
+    (a name alone is not enough; nothing is created to find out)."""
+    try:
+        with open(os.path.join(path, LOCK), "rb") as f:
+            return f.read(len(MARKER)) == MARKER
+    except OSError:
+        return False
 
 
 def stale_runs(nvme_dir: str) -> list[str]:
     """Run directories under ``nvme_dir`` whose process is gone (killed before it could clean
-    up): nobody holds their lock.
+    up): nobody holds their lock. Only directories this package made count (their ``LOCK``
+    begins with its marker): anything else named ``offload-adam-run-*`` is skipped.
 
     Args:
         nvme_dir: the directory given to ``AdamW(storage="nvme", nvme_dir=...)``,
@@ -90,9 +102,12 @@ def stale_runs(nvme_dir: str) -> list[str]:
         path = os.path.join(nvme_dir, name)
         if not name.startswith(RUN_PREFIX) or not os.path.isdir(path):
             continue
-        f = _lock(os.path.join(path, LOCK))
-        if f is not None:
-            f.close()
+        if not _ours(path):
+            log.debug("offload_adam: %s skipped: not a run directory of offload_adam (no marker in its %s)", path, LOCK)
+            continue
+        fd = _lock(os.path.join(path, LOCK))
+        if fd is not None:
+            os.close(fd)
             out.append(path)
     return out
 
@@ -106,22 +121,22 @@ def remove_stale_runs(nvme_dir: str) -> list[str]:
     """
     removed = []
     for path in stale_runs(nvme_dir):
-        f = _lock(os.path.join(path, LOCK))
-        if f is None:  # taken since
+        fd = _lock(os.path.join(path, LOCK))
+        if fd is None:  # taken since
             continue
         try:
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
         finally:
-            f.close()
+            os.close(fd)
     return removed
 
 
-def _cleanup(path: str, lock: Any, io: Any) -> None:
+def _cleanup(path: str, lock: int, io: Any) -> None:
     del io  # its files are closed when the last reference goes
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(Exception):
-        lock.close()
+        os.close(lock)
 
 
 class RunDir:
@@ -145,9 +160,9 @@ class RunDir:
         name = f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.path = os.path.join(nvme_dir, name)
         os.mkdir(self.path, 0o700)
-        lock = _lock(os.path.join(self.path, LOCK))
-        if lock is None:  # pragma: no cover - a fresh unique directory
-            raise RuntimeError(f"{self.path}: locked by another process")
+        lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        os.write(lock, MARKER + f"{socket.gethostname()} {os.getpid()}\n".encode())
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
         self.io = _native.IoEngine(io)
         self._finalizer = weakref.finalize(self, _cleanup, self.path, lock, self.io)
 

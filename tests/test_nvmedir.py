@@ -5,14 +5,21 @@ directories."""
 
 from __future__ import annotations
 
-import gc
+import ctypes
+import logging
 import os
-from collections.abc import Iterator
+import socket
+import stat
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import torch
 
-from offload_adam.runtime.pages import LOCK, RUN_PREFIX, RunDir, remove_stale_runs, stale_runs
+import offload_adam
+from offload_adam import AdamW, testing
+from offload_adam.runtime.pages import LOCK, MARKER, RUN_PREFIX, RunDir, remove_stale_runs, stale_runs
 
 
 @pytest.fixture
@@ -20,9 +27,8 @@ def nvme_dir(tmp_path: Any) -> Iterator[str]:
     d = str(tmp_path / "nvme")
     os.mkdir(d)
     yield d
-    assert [n for n in os.listdir(d) if n.startswith(RUN_PREFIX) and os.path.isdir(os.path.join(d, n))] == [], (
-        "run directories left behind"
-    )
+    ours = f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-"
+    assert [n for n in os.listdir(d) if n.startswith(ours)] == [], "run directories left behind"
 
 
 def killed_run(nvme_dir: str) -> str:
@@ -58,3 +64,204 @@ def test_a_users_folder_named_like_a_run_is_never_removed(nvme_dir: str) -> None
     os.rmdir(notes)
     os.remove(os.path.join(locked, LOCK))
     os.rmdir(locked)
+
+
+# -- the three clients, each making (and removing) a run directory -------------------------------
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for lin in self.layers:
+            x = torch.tanh(lin(x))
+        return x
+
+
+def use_adamw(nvme_dir: str) -> None:
+    p = torch.nn.Parameter(torch.randn(5000))
+    opt = AdamW([p], storage="nvme", nvme_dir=nvme_dir)
+    p.grad = torch.randn(5000)
+    opt.step()
+    opt.close()
+
+
+def use_weights(nvme_dir: str) -> None:
+    m = _Blocks()
+    x = torch.randn(4, 64)
+    want = m(x)
+    h = offload_adam.offload_weights(m, device="cpu", storage="nvme", nvme_dir=nvme_dir)
+    with torch.no_grad():
+        assert torch.equal(m(x), want)
+    h.close()
+
+
+def use_activations(nvme_dir: str) -> None:
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
+        m = _Blocks()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        ao.flush()
+        assert ao.report()["write_bytes"] > 0
+        loss.backward()
+        ao.close()
+
+
+def use_scan(nvme_dir: str) -> None:
+    stale_runs(nvme_dir)
+    remove_stale_runs(nvme_dir)
+
+
+CLIENTS: dict[str, Callable[[str], None]] = {
+    "adamw": use_adamw,
+    "weights": use_weights,
+    "activations": use_activations,
+    "remove_stale_runs": use_scan,
+}
+
+
+# -- a shared nvme_dir ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("client", list(CLIENTS))
+def test_symlinks_planted_in_nvme_dir_are_never_followed(client: str, nvme_dir: str, tmp_path: Any) -> None:
+    """The scan for killed runs opened <entry>/LOCK with O_CREAT, following symlinks: a link
+    named like a run made every run create LOCK in the directory it pointed at, a LOCK that was
+    a link created the file it named; and remove_stale_runs reported a link to a killed run's
+    directory as removed (rmtree had refused it). Nothing outside nvme_dir may change."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    os.symlink(victim, os.path.join(nvme_dir, RUN_PREFIX + "x"))
+    os.mkdir(os.path.join(nvme_dir, RUN_PREFIX + "y"))
+    os.symlink(victim / "any-name", os.path.join(nvme_dir, RUN_PREFIX + "y", LOCK))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    left = killed_run(str(elsewhere))  # a killed run's directory outside nvme_dir, linked into it
+    os.symlink(left, os.path.join(nvme_dir, RUN_PREFIX + "z"))
+    CLIENTS[client](nvme_dir)
+    assert os.listdir(victim) == []
+    assert sorted(os.listdir(left)) == [LOCK]  # neither removed nor locked through the link
+    assert stale_runs(nvme_dir) == [] and remove_stale_runs(nvme_dir) == []
+    assert sorted(os.listdir(nvme_dir)) == [RUN_PREFIX + "x", RUN_PREFIX + "y", RUN_PREFIX + "z"]
+    assert stale_runs(str(elsewhere)) == [left]  # (it is one, where it lies)
+    assert remove_stale_runs(str(elsewhere)) == [left]
+
+
+def test_what_the_scan_cannot_open_read_or_lock_is_skipped(nvme_dir: str, tmp_path: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A LOCK that was a directory stopped every run in the folder (IsADirectoryError); a LOCK
+    that is a symlink (to a killed run's LOCK elsewhere), a FIFO, or an entry that is a dangling
+    symlink must not be followed, opened for reading (a FIFO blocks) or locked either: each is
+    skipped with a debug line, the run goes on, and nothing is removed."""
+    odd = {name: os.path.join(nvme_dir, RUN_PREFIX + name) for name in ("lockdir", "locklink", "fifo", "dangling")}
+    os.mkdir(odd["lockdir"])
+    os.mkdir(os.path.join(odd["lockdir"], LOCK))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    left = killed_run(str(elsewhere))
+    os.mkdir(odd["locklink"])
+    os.symlink(os.path.join(left, LOCK), os.path.join(odd["locklink"], LOCK))
+    os.mkdir(odd["fifo"])
+    os.mkfifo(os.path.join(odd["fifo"], LOCK))
+    os.symlink(tmp_path / "missing", odd["dangling"])
+    with caplog.at_level(logging.DEBUG, logger="offload_adam"):
+        assert stale_runs(nvme_dir) == []
+        assert remove_stale_runs(nvme_dir) == []
+        use_adamw(nvme_dir)
+    for path in odd.values():
+        assert any(path in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records), path
+    assert not any("killed runs" in r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert sorted(os.listdir(nvme_dir)) == sorted(os.path.basename(p) for p in odd.values())
+    assert stale_runs(str(elsewhere)) == [left]
+    remove_stale_runs(str(elsewhere))
+
+
+_CAP_DAC_OVERRIDE, _CAP_DAC_READ_SEARCH = 1, 2
+
+
+def _as_another_user(fn: Callable[[], Any]) -> Any:
+    """``fn()`` on a thread of its own that cannot read a 0700 directory of another user: as
+    root, the thread's effective capabilities lose CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH
+    (capset acts on the calling thread alone, and the thread's credentials end with it: the
+    rest of the process keeps its own); as anyone else, nothing to drop."""
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            if os.geteuid() == 0:
+                libc = ctypes.CDLL(None, use_errno=True)
+                hdr, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3, this thread
+                if libc.capget(ctypes.byref(hdr), data) != 0:
+                    raise OSError(ctypes.get_errno(), "capget")
+                data[0].effective &= ~((1 << _CAP_DAC_OVERRIDE) | (1 << _CAP_DAC_READ_SEARCH))
+                if libc.capset(ctypes.byref(hdr), data) != 0:
+                    raise OSError(ctypes.get_errno(), "capset")
+            out["result"] = fn()
+        except BaseException as e:  # (raised again on the test's thread)
+            out["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def test_another_users_run_directory_is_skipped(nvme_dir: str, caplog: pytest.LogCaptureFixture) -> None:
+    """User B's scan of user A's live run directory (0700) got PermissionError on its LOCK, and
+    B's AdamW(storage="nvme") failed. As root, the directory is given to uid 65534 and the scan
+    runs on a thread without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH (as in the report, where
+    setpriv dropped them); as another user, the directory is the test's own with mode 0."""
+    other = os.path.join(nvme_dir, RUN_PREFIX + "otherhost-4242-abcdef12")
+    os.mkdir(other, 0o700)
+    with open(os.open(os.path.join(other, LOCK), os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
+        f.write(MARKER)
+    root = os.geteuid() == 0
+    if root:
+        os.chown(os.path.join(other, LOCK), 65534, 65534)
+        os.chown(other, 65534, 65534)
+    else:
+        os.chmod(other, 0)
+    try:
+
+        def scan_and_run() -> tuple[list[str], list[str], bool]:
+            readable = os.access(other, os.R_OK | os.X_OK, effective_ids=True)
+            stale, removed = stale_runs(nvme_dir), remove_stale_runs(nvme_dir)
+            use_adamw(nvme_dir)
+            return stale, removed, readable
+
+        with caplog.at_level(logging.DEBUG, logger="offload_adam"):
+            stale, removed, readable = _as_another_user(scan_and_run)
+        assert not readable  # the case is the one reported: the directory cannot be entered
+        assert stale == [] and removed == []
+        assert any(other in r.getMessage() and "skipped" in r.getMessage() for r in caplog.records)
+    finally:
+        os.chmod(other, 0o700)
+    assert os.listdir(other) == [LOCK]
+    os.remove(os.path.join(other, LOCK))
+    os.rmdir(other)
+
+
+def test_the_lock_is_0600_and_the_run_private_under_umask_0(nvme_dir: str) -> None:
+    """The LOCK was 0644 (0666 under umask 0) inside the 0700 run directory; the data files
+    and the directory were private already."""
+    old = os.umask(0)
+    try:
+        run = RunDir(nvme_dir)
+        run.open("data.bin", 4096)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(run.path).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(os.path.join(run.path, LOCK)).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.join(run.path, "data.bin")).st_mode) == 0o600
+    run.close()

@@ -28,6 +28,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 import weakref
@@ -62,32 +63,72 @@ def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
 # -- run directories ------------------------------------------------------------------------------
 
 
-def _lock(path: str) -> int | None:
-    """An exclusive lock on the existing file ``path`` (kept while the returned descriptor is
-    open), or None if another process holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LOCK_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _skip(path: str, why: str) -> None:
+    log.debug("offload_adam: %s skipped by the scan for killed runs: %s", path, why)
+
+
+def _lock_run(path: str) -> tuple[int, tuple[int, int]] | None:
+    """Locks the run directory ``path``: its LOCK's descriptor (the lock kept while it is open)
+    and the directory's ``(st_dev, st_ino)``. None if another process holds the lock (a live
+    run), or if ``path`` is not a run directory of this user that the scan can lock (skipped
+    with a debug line): a symlink, not a directory, another user's, unreadable, its LOCK
+    missing, a symlink, not a regular file, without the package's marker, or not lockable.
+    Nothing is followed and nothing is created."""
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
+        dfd = os.open(path, _DIR_FLAGS)
+    except OSError as e:
+        _skip(path, f"cannot be opened as a directory without following a symlink ({e.strerror})")
         return None
-    return fd
-
-
-def _ours(path: str) -> bool:
-    """Whether ``path`` is a run directory this package made: its LOCK begins with ``MARKER``
-    (a name alone is not enough; nothing is created to find out)."""
     try:
-        with open(os.path.join(path, LOCK), "rb") as f:
-            return f.read(len(MARKER)) == MARKER
-    except OSError:
-        return False
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid():
+            _skip(path, f"owned by another user (uid {st.st_uid})")
+            return None
+        try:
+            fd = os.open(LOCK, _LOCK_FLAGS, dir_fd=dfd)
+        except OSError as e:
+            _skip(path, f"its {LOCK} cannot be opened without following a symlink ({e.strerror})")
+            return None
+    finally:
+        os.close(dfd)
+    why = None
+    try:
+        lst = os.fstat(fd)
+        if not stat.S_ISREG(lst.st_mode):
+            why = f"its {LOCK} is not a regular file"
+        elif lst.st_uid != os.geteuid():
+            why = f"its {LOCK} belongs to another user (uid {lst.st_uid})"
+        elif os.pread(fd, len(MARKER), 0) != MARKER:
+            why = f"not a run directory of offload_adam (no marker in its {LOCK})"
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd, (st.st_dev, st.st_ino)
+            except BlockingIOError:
+                pass  # a live run
+            except OSError as e:
+                why = f"its {LOCK} cannot be locked ({e.strerror})"
+    except OSError as e:
+        why = f"its {LOCK} cannot be read ({e.strerror})"
+    except BaseException:
+        os.close(fd)
+        raise
+    if why is not None:
+        _skip(path, why)
+    os.close(fd)
+    return None
 
 
 def stale_runs(nvme_dir: str) -> list[str]:
     """Run directories under ``nvme_dir`` whose process is gone (killed before it could clean
-    up): nobody holds their lock. Only directories this package made count (their ``LOCK``
-    begins with its marker): anything else named ``offload-adam-run-*`` is skipped.
+    up): nobody holds their lock. Only directories this user's runs made count (their ``LOCK``
+    begins with the package's marker); the scan follows no symlink, creates nothing, and skips
+    with a debug line whatever it cannot open, read or lock (another user's run, a ``LOCK``
+    that is not a regular file, anything else named ``offload-adam-run-*``).
 
     Args:
         nvme_dir: the directory given to ``AdamW(storage="nvme", nvme_dir=...)``,
@@ -99,34 +140,44 @@ def stale_runs(nvme_dir: str) -> list[str]:
     except FileNotFoundError:
         return []
     for name in names:
+        if not name.startswith(RUN_PREFIX):
+            continue
         path = os.path.join(nvme_dir, name)
-        if not name.startswith(RUN_PREFIX) or not os.path.isdir(path):
-            continue
-        if not _ours(path):
-            log.debug("offload_adam: %s skipped: not a run directory of offload_adam (no marker in its %s)", path, LOCK)
-            continue
-        fd = _lock(os.path.join(path, LOCK))
-        if fd is not None:
-            os.close(fd)
+        held = _lock_run(path)
+        if held is not None:
+            os.close(held[0])
             out.append(path)
     return out
 
 
 def remove_stale_runs(nvme_dir: str) -> list[str]:
     """Removes the run directories left under ``nvme_dir`` by killed runs (see ``stale_runs``);
-    live runs are never touched. Returns the paths removed.
+    live runs, other users' and anything the package did not make are never touched. Returns
+    the paths removed (a directory that could not be removed entirely is not among them: a
+    warning says what was left).
 
     Args:
         nvme_dir: the directory the runs were made under.
     """
     removed = []
     for path in stale_runs(nvme_dir):
-        fd = _lock(os.path.join(path, LOCK))
-        if fd is None:  # taken since
+        held = _lock_run(path)
+        if held is None:  # taken since
             continue
+        fd, ident = held
         try:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != ident or not stat.S_ISDIR(st.st_mode):
+                _skip(path, "replaced since it was locked")
+                continue
+            shutil.rmtree(path, ignore_errors=True)  # (never follows a symlink inside it)
+            if os.path.lexists(path):
+                log.warning("offload_adam: %s could not be removed entirely", path)
+            else:
+                removed.append(path)
         finally:
             os.close(fd)
     return removed
@@ -160,7 +211,8 @@ class RunDir:
         name = f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.path = os.path.join(nvme_dir, name)
         os.mkdir(self.path, 0o700)
-        lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        # 0600 whatever the umask, never through a symlink (O_EXCL refuses one too).
+        lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         os.write(lock, MARKER + f"{socket.gethostname()} {os.getpid()}\n".encode())
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
         self.io = _native.IoEngine(io)

@@ -184,7 +184,8 @@ def remove_stale_runs(nvme_dir: str) -> list[str]:
 
 
 def _cleanup(path: str, lock: int, io: Any) -> None:
-    del io  # its files are closed when the last reference goes
+    if io is not None:
+        io.close()  # its files' descriptors (and its threads): their space is given back as they go
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(Exception):
         os.close(lock)
@@ -211,11 +212,16 @@ class RunDir:
         name = f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.path = os.path.join(nvme_dir, name)
         os.mkdir(self.path, 0o700)
-        # 0600 whatever the umask, never through a symlink (O_EXCL refuses one too).
-        lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        os.write(lock, MARKER + f"{socket.gethostname()} {os.getpid()}\n".encode())
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
-        self.io = _native.IoEngine(io)
+        lock = -1
+        try:
+            # 0600 whatever the umask, never through a symlink (O_EXCL refuses one too).
+            lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            os.write(lock, MARKER + f"{socket.gethostname()} {os.getpid()}\n".encode())
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
+            self.io = _native.IoEngine(io)
+        except BaseException:
+            _cleanup(self.path, lock, None)  # a failed set-up leaves nothing behind
+            raise
         self._finalizer = weakref.finalize(self, _cleanup, self.path, lock, self.io)
 
     def check_space(self, need: int, what: str) -> None:
@@ -234,7 +240,9 @@ class RunDir:
         return self._finalizer.alive
 
     def close(self) -> None:
-        """Removes the directory and its files (the caller has waited for its transfers)."""
+        """Closes the I/O engine (every descriptor of the run's files: their space is given back
+        now, not when the engine is garbage-collected) and removes the directory and its files
+        (the caller has waited for its transfers). Using the engine afterwards is an error."""
         self._finalizer()
 
 
@@ -421,7 +429,7 @@ class PageStore:
         return sum(page_cache_bytes(f.path) for f in self.files if os.path.exists(f.path))
 
     def close(self) -> None:
-        """Waits for the transfers in flight, then removes the directory and its files."""
+        """Waits for the transfers in flight, then closes the files and removes the directory."""
         self._pool.shutdown(wait=True)
         self.run.close()
 

@@ -6,6 +6,7 @@ directories."""
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import logging
 import os
@@ -20,6 +21,7 @@ import torch
 
 import offload_adam
 from offload_adam import AdamW, testing
+from offload_adam.runtime.hosted import claimed
 from offload_adam.runtime.pages import LOCK, MARKER, RUN_PREFIX, RunDir, remove_stale_runs, stale_runs
 
 
@@ -341,3 +343,70 @@ def test_a_failed_run_set_up_removes_what_it_made(nvme_dir: str, monkeypatch: py
     with pytest.raises(ValueError, match="OFFLOAD_ADAM_IO must be 'uring' or 'threads'"):
         RunDir(nvme_dir)
     assert os.listdir(nvme_dir) == [] and open_under(nvme_dir) == []
+
+
+def _arm_allocation_fault(monkeypatch: pytest.MonkeyPatch, after: int) -> None:
+    """Every run directory made from now on fails the allocation of its file number ``after``
+    (0: the first) with ENOSPC, as posix_fallocate on a full disk."""
+    real = RunDir.__init__
+
+    def init(self: RunDir, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        self.io.inject_fault("open", errno.ENOSPC, after)
+
+    monkeypatch.setattr(RunDir, "__init__", init)
+
+
+def _train(opt: Any, ps: list[torch.nn.Parameter], steps: int) -> None:
+    for t in range(steps):
+        g = torch.Generator().manual_seed(t)
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+def test_a_failed_nvme_optimizer_set_up_changes_nothing_and_removes_what_it_made(
+    nvme_dir: str, no_gc: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed AdamW(storage="nvme") (its second file could not be allocated) kept the file it
+    had allocated, open, until a full garbage collection (free space 4194304 -> 1794048 on a 4
+    MiB tmpfs), and left its parameters claimed: offload_weights then refused the model."""
+    m = _Blocks()
+    before = [p.detach().clone() for p in m.parameters()]
+    _arm_allocation_fault(monkeypatch, 1)
+    with pytest.raises(OSError, match=r"cannot allocate \d+ bytes for .*group0-exp_avg_sq\.bin: No space left on device") as info:
+        AdamW(m.parameters(), storage="nvme", nvme_dir=nvme_dir)
+    # (checked while the error, and so its traceback, is alive: as in the caller's except block)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(nvme_dir) == [] and open_under(nvme_dir) == []
+    assert all(claimed(p) is None for p in m.parameters())
+    assert all(torch.equal(p, q) for p, q in zip(m.parameters(), before))
+    monkeypatch.undo()
+    h = offload_adam.offload_weights(m, device="cpu", storage="nvme", nvme_dir=nvme_dir)  # refused while claimed
+    h.close()
+
+
+def test_a_failed_param_group_leaves_the_nvme_optimizer_as_it_was(nvme_dir: str, no_gc: None) -> None:
+    """add_param_group on an NVMe optimizer whose new files cannot be allocated: its error, and
+    the optimizer as it was (its files, its groups, its steps: bitwise the one never asked)."""
+    ps = [torch.nn.Parameter(torch.randn(3000)), torch.nn.Parameter(torch.randn(700))]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    opt = AdamW([ps[0]], storage="nvme", nvme_dir=nvme_dir, lr=1e-2)
+    ref = AdamW([qs[0]], lr=1e-2)
+    _train(opt, ps[:1], 2)
+    _train(ref, qs[:1], 2)
+    files = sorted(os.listdir(opt._engine.tier.path))
+    held = sorted(open_under(nvme_dir))
+    opt._engine.tier.store.io.inject_fault("open", errno.ENOSPC, 1)
+    with pytest.raises(OSError, match="No space left on device"):
+        opt.add_param_group({"params": [ps[1]]})
+    assert sorted(os.listdir(opt._engine.tier.path)) == files
+    assert sorted(open_under(nvme_dir)) == held
+    assert len(opt.param_groups) == 1 and claimed(ps[1]) is None
+    opt.add_param_group({"params": [ps[1]]})  # the disk has room again
+    ref.add_param_group({"params": [qs[1]]})
+    _train(opt, ps, 3)
+    _train(ref, qs, 3)
+    assert all(torch.equal(p, q) for p, q in zip(ps, qs))
+    opt.close()
+    assert open_under(nvme_dir) == []

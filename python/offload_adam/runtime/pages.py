@@ -231,9 +231,15 @@ class RunDir:
             raise OSError(errno.ENOSPC, f"offload_adam: {what} needs {need} bytes under {self.nvme_dir}, which has {free} free")
 
     def open(self, name: str, size: int) -> tuple[int, str]:
-        """Creates file ``name`` of ``size`` bytes (allocated); its number and path."""
+        """Creates file ``name`` of ``size`` bytes (allocated); its number and path. If it cannot
+        be allocated (a full disk), the file is removed and the error raised."""
         path = os.path.join(self.path, name)
-        return self.io.open(path, size), path
+        try:
+            return self.io.open(path, size), path
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
 
     @property
     def alive(self) -> bool:
@@ -423,6 +429,14 @@ class PageStore:
 
     def check_space(self, need: int, what: str) -> None:
         self.run.check_space(need, what)
+
+    def remove(self, f: PageFile) -> None:
+        """Closes and removes file ``f`` (its transfers waited for): a set-up that failed after
+        opening it."""
+        self.io.close_file(f.fid)
+        with contextlib.suppress(OSError):
+            os.unlink(f.path)
+        self.files.remove(f)
 
     def page_cache_bytes(self) -> int:
         """Bytes of this store's files in the OS page cache (``O_DIRECT`` keeps it near 0)."""

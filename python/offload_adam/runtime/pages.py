@@ -300,6 +300,7 @@ class Transfer:
         self.label = label
         self._future = future
         self._finished = False
+        self._error: OSError | None = None
 
     def done(self) -> bool:
         """Completed (checked, for a read); never waits."""
@@ -307,8 +308,11 @@ class Transfer:
 
     def wait(self) -> None:
         """Blocks until the transfer has completed; raises naming the file and the range's
-        contents on an I/O error or (a read) a checksum mismatch."""
+        contents on an I/O error or (a read) a checksum mismatch, and raises the same error again
+        at every later call (a failed transfer never reads as done)."""
         if self._finished:
+            if self._error is not None:
+                raise OSError(self._error.errno, self._error.strerror)
             return
         f = self.file
         t0 = time.perf_counter()
@@ -317,14 +321,16 @@ class Transfer:
         except OSError as e:
             verb = "reading" if self.kind == "read" else "writing"
             prep = "from" if self.kind == "read" else "to"
-            raise OSError(e.errno, f"offload_adam: {verb} {self.label} {prep} {f.path}: {e.strerror}") from None
+            self._error = OSError(e.errno, f"offload_adam: {verb} {self.label} {prep} {f.path}: {e.strerror}")
+            raise OSError(e.errno, self._error.strerror) from None
         finally:
             f.store.stats.io_wait_s += time.perf_counter() - t0
             self._finished = True
         if self.kind == "write":
             f.crc[self.offset] = (self.nbytes, int(result))
         elif not result:
-            raise OSError(errno.EIO, f"offload_adam: {f.path}: {self.label} is corrupted (checksum mismatch){f.corrupt_hint}")
+            self._error = OSError(errno.EIO, f"offload_adam: {f.path}: {self.label} is corrupted (checksum mismatch){f.corrupt_hint}")
+            raise OSError(errno.EIO, self._error.strerror)
 
 
 class PageFile:

@@ -554,3 +554,62 @@ def test_a_failed_write_is_written_again_never_read_back_unwritten(nvme_dir: str
         assert ao.report()["write_bytes"] >= 7 * 64 * 64 * 4  # six storages, one of them twice
         ao.close()
     assert sim.violations == []
+
+
+def _open_under(d: str) -> list[str]:
+    root = os.path.realpath(d) + os.sep
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [link for link in links if link.startswith(root)]
+
+
+def test_close_after_a_failed_flush_gives_everything_back(nvme_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush() on a disk without room for the first 64 MiB segment raised ENOSPC; close() in
+    the except block wrote the pending regions again, raised the same error, kept closed False
+    and the run directory (as long as the failed graph lived). It drops the pending writes
+    instead: nothing raised, the directory and its descriptors gone, and the saved tensors,
+    never written, still come back from RAM."""
+    import offload_adam.runtime.pages as pages
+
+    real = pages.shutil.disk_usage
+    monkeypatch.setattr(pages.shutil, "disk_usage", lambda p: real(p)._replace(free=4 << 20))
+    with testing.simulated_device(seed=4, max_delay_s=0.0) as sim:
+        m = _Chain()
+        ref = copy.deepcopy(m)
+        x = torch.randn(64, 64, requires_grad=True)
+        ref(x.detach().clone().requires_grad_()).sum().backward()
+        release = sim.hold(sim.d2h)  # nothing written behind during the forward
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        release()
+        try:
+            ao.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC and "needs 67108864 bytes under" in str(e)
+            ao.close()
+            assert ao.closed
+            assert os.listdir(nvme_dir) == [] and _open_under(nvme_dir) == []
+        else:
+            raise AssertionError("flush() did not raise")
+        ao.close()  # again: nothing
+        loss.backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+    assert sim.violations == []
+
+
+def test_a_saved_tensor_on_the_ssd_after_close_is_a_clear_error(nvme_dir: str) -> None:
+    """close() closes the files (their space given back): a graph whose saved tensors were
+    written there cannot run its backward afterwards, and says why."""
+    with testing.simulated_device(seed=5, max_delay_s=0.0):
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        ao.flush()
+        ao.close()
+        assert os.listdir(nvme_dir) == [] and _open_under(nvme_dir) == []
+        with pytest.raises(RuntimeError, match="needed after close.. removed its files: with storage='nvme', run the backward before"):
+            loss.backward()

@@ -386,6 +386,11 @@ class ActivationOffload:
                 self.writes.remove(item)  # not written yet: brought back from its region
             return item.region.host
         assert item.file is not None
+        if self.store is None:
+            raise RuntimeError(
+                "offload_activations: a saved tensor whose bytes were on the SSD is needed after close() removed its "
+                "files: with storage='nvme', run the backward before closing the handle"
+            )
         r = self.pool.alloc(item.nbytes)
         # The region may have been another's: the host writes it only after the copies that
         # used it last (their events, released with it), not after everything queued since.
@@ -506,15 +511,22 @@ class ActivationOffload:
         self.meter.peak = self.meter.current
 
     def close(self) -> None:
-        """Removes the module hooks; with NVMe, waits for the writes and removes the files.
-        Saved tensors of a graph not yet run backward must not outlive it with NVMe."""
+        """Removes the module hooks; with NVMe, drops the writes not started (those saved
+        storages stay in their RAM regions), waits for the writes in flight (their errors are
+        not raised: the files go), then closes and removes the files. It never raises an I/O
+        error, also after one (a full disk at ``flush()``). A saved tensor whose bytes were only
+        on the SSD cannot be brought back afterwards (a clear error): with NVMe, run the backward
+        of a graph before ``close()``."""
         if self.closed:
             return
         for h in self._handles:
             h.remove()
         self._handles = []
         with self.lock:
-            self._write_behind(all_of_them=True)
+            self.writes = []
+            for item in self.items.values():
+                if item.writing is not None:
+                    self._finish_write(item, retry=False)  # (its region stays: the file goes)
         self.device.drain()
         if self.store is not None:
             self.store.close()

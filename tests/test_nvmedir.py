@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import gc
 import logging
 import os
@@ -410,3 +411,41 @@ def test_a_failed_param_group_leaves_the_nvme_optimizer_as_it_was(nvme_dir: str,
     assert all(torch.equal(p, q) for p, q in zip(ps, qs))
     opt.close()
     assert open_under(nvme_dir) == []
+
+
+# -- save_state's temporary file ------------------------------------------------------------------
+
+
+def test_a_killed_save_states_temporary_file_is_removed_by_the_next(tmp_path: Any) -> None:
+    """A run killed during save_state left optimizer.safetensors.tmp-<pid>, which no later run
+    removed. The next save_state removes such files, and only those: not another name, not a
+    symlink, not the file of a writer at work (its lock held)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    ps = [torch.nn.Parameter(torch.randn(300)), torch.nn.Parameter(torch.randn(7))]
+    opt = AdamW(ps, lr=1e-2)
+    _train(opt, ps, 2)
+    killed = ckpt / "optimizer.safetensors.tmp-999999"
+    killed.write_bytes(b"half a checkpoint")
+    others = [ckpt / n for n in ("optimizer.safetensors.tmp-abc", "optimizer.safetensors.tmp-", "notes.tmp-123")]
+    for o in others:
+        o.write_text("mine")
+    target = tmp_path / "target"
+    target.write_text("elsewhere")
+    link = ckpt / "optimizer.safetensors.tmp-777777"
+    os.symlink(target, link)
+    live = ckpt / "optimizer.safetensors.tmp-888888"  # another process writing now: its lock held
+    with open(live, "wb") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        opt.save_state(str(ckpt))
+    assert not killed.exists()
+    assert all(o.read_text() == "mine" for o in others)
+    assert os.path.islink(link) and target.read_text() == "elsewhere"
+    assert live.exists()
+    assert sorted(os.listdir(ckpt)) == sorted(
+        ["optimizer.safetensors", live.name, link.name, *(o.name for o in others)]
+    )  # (its own temporary file renamed)
+    fresh = AdamW([torch.nn.Parameter(p.detach().clone()) for p in ps], lr=1e-2)
+    fresh.load_state(str(ckpt))
+    for a, b in zip(opt.state_dict()["state"].values(), fresh.state_dict()["state"].values()):
+        assert all(torch.equal(a[k], b[k]) for k in a)

@@ -2,9 +2,12 @@
 the weights, the activations), through one set of rules.
 
 A :class:`PageStore` is one run directory (:class:`RunDir`, ``offload-adam-run-<host>-<pid>-<random>``
-under a user's ``nvme_dir``: locked while it lives, the free-space check, removal at ``close()``,
-garbage collection and interpreter exit; a directory left by a killed run is reported and never
-reused: :func:`stale_runs`, :func:`remove_stale_runs`) and
+under a user's ``nvme_dir``, 0700: locked while it lives through its ``LOCK`` (0600, beginning with
+``MARKER``: what makes a directory one of ours), the free-space check; at ``close()``, garbage
+collection and interpreter exit its I/O engine is closed (every descriptor) and the directory
+removed, and a failed set-up removes what it made; a directory left by a killed run is reported
+and never reused: :func:`stale_runs`, :func:`remove_stale_runs`, which follow no symlink inside
+``nvme_dir``, create nothing, and skip with a debug line what they cannot open, read or lock) and
 the I/O engine of its files (io_uring or a thread pool, ``O_DIRECT``), with one :class:`IoStats`.
 Its files (:class:`PageFile`) are written and read in ranges whose offsets, lengths and buffers
 sit on 4 KiB (``ALIGN``). Each range written gets a CRC-32C, computed on the store's pool of two

@@ -296,7 +296,13 @@ class Adam(Optimizer):
             fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            # A failed set-up (a param group refused, a full disk) leaves nothing behind: the
+            # parameters unclaimed, the NVMe files closed and removed now, not at garbage collection.
+            self._engine.close()
+            raise
         eng = self._engine
         if (free_gradients or async_step) and eng.streamed is None and not eng._deferred:
             warnings.warn(
@@ -321,15 +327,20 @@ class Adam(Optimizer):
         self._config = config
         self.storage = config["storage"]
         self._clip_coef = 1.0
-        self._engine = Engine(
-            num_threads=config["num_threads"],
-            bias_correction=config["bias_correction"],
-            async_step=config["async_step"],
-            free_gradients=config["free_gradients"],
-            bucket_bytes=config["bucket_bytes"],
-            tier=self._make_tier(config),
-            master_dtype=config.get("master_dtype", torch.float32),
-        )
+        tier = self._make_tier(config)
+        try:
+            self._engine = Engine(
+                num_threads=config["num_threads"],
+                bias_correction=config["bias_correction"],
+                async_step=config["async_step"],
+                free_gradients=config["free_gradients"],
+                bucket_bytes=config["bucket_bytes"],
+                tier=tier,
+                master_dtype=config.get("master_dtype", torch.float32),
+            )
+        except BaseException:
+            tier.close()
+            raise
 
     @property
     def offload(self) -> str:

@@ -2,7 +2,9 @@
 
 A :class:`Writer` is given the layout first (names, dtypes, shapes) and then the tensors in that
 order, one at a time, so that a file larger than RAM can be written from state paged through a
-window; it writes under a temporary name renamed when complete. A :class:`Reader` parses the
+window; it writes under a temporary name (``<file>.tmp-<pid>``, locked while it is written)
+renamed when complete, and removes the temporary files of writers that were killed (their lock
+free). A :class:`Reader` parses the
 header (every safetensors dtype torch has), validated by safetensors' own rules as the file
 opens, and reads a tensor, or gives each tensor's byte range in the file for a reader of its own
 (the weights' checkpoint loader reads them with the I/O engine).
@@ -10,16 +12,21 @@ opens, and reads a tensor, or gives each tensor's byte range in the file for a r
 
 from __future__ import annotations
 
+import fcntl
 import io
 import json
+import logging
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
+
+log = logging.getLogger("offload_adam")
 
 DTYPES = {
     torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
@@ -47,9 +54,47 @@ def _stored(t: Tensor) -> Tensor:
     return t.detach().contiguous().reshape(-1)
 
 
+_TMP_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def remove_leftovers(path: str) -> list[str]:
+    """Removes the temporary files ``<path>.tmp-<pid>`` that writers of ``path`` killed mid-write
+    left: only regular files of this user whose lock nobody holds (a live writer keeps its own
+    locked until it is renamed), never through a symlink. Returns the paths removed."""
+    d, base = os.path.split(os.path.abspath(path))
+    prefix = base + ".tmp-"
+    removed = []
+    for name in sorted(os.listdir(d)):
+        if not name.startswith(prefix) or not name[len(prefix) :].isdigit():
+            continue
+        tmp = os.path.join(d, name)
+        try:
+            fd = os.open(tmp, _TMP_FLAGS)
+        except OSError:  # gone, a symlink, not ours to write
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # a writer at work
+                continue
+            now = os.lstat(tmp)
+            if (now.st_dev, now.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(tmp)
+                removed.append(tmp)
+                log.info("offload_adam: removed %s, left by a checkpoint writer that was killed", tmp)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
 class Writer:
     """Writes one safetensors file: the layout first (names, dtypes, shapes), then the tensors
-    in that order, one at a time."""
+    in that order, one at a time (see the module documentation)."""
 
     def __init__(self, path: str, layout: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> None:
         header: dict[str, Any] = {"__metadata__": metadata}
@@ -67,7 +112,17 @@ class Writer:
         raw += b" " * (-len(raw) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
         self.tmp = f"{path}.tmp-{os.getpid()}"
         self.path = path
-        self.f: io.BufferedWriter = open(self.tmp, "wb")
+        remove_leftovers(path)
+        # (O_EXCL: one of ours left by a killed process of the same pid is gone by now; a writer
+        # of this process still at work on the same file is an error, not a file truncated)
+        fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        try:
+            # Held until the file is renamed or removed: remove_leftovers leaves it alone.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.f: io.BufferedWriter = os.fdopen(fd, "wb")
         self.f.write(struct.pack("<Q", len(raw)))
         self.f.write(raw)
         self.next = 0
@@ -88,8 +143,8 @@ class Writer:
         self.f.flush()
         os.fsync(self.f.fileno())
         os.posix_fadvise(self.f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)  # not kept in the page cache
+        os.replace(self.tmp, self.path)  # (renamed while locked and open)
         self.f.close()
-        os.replace(self.tmp, self.path)
         d = os.open(os.path.dirname(os.path.abspath(self.path)), os.O_RDONLY)
         try:
             os.fsync(d)
@@ -97,9 +152,9 @@ class Writer:
             os.close(d)
 
     def abort(self) -> None:
-        self.f.close()
         if os.path.exists(self.tmp):
-            os.remove(self.tmp)
+            os.remove(self.tmp)  # (while locked)
+        self.f.close()
 
 
 class Reader:

@@ -192,4 +192,6 @@ class Checkpoint:
         for fid in self._files.values():
             self.io.close_file(fid)
         self._files = {}
+        if self._io is not None:
+            self._io.close()  # its threads and io_uring too, now rather than at garbage collection
         self._io = None

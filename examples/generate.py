@@ -253,26 +253,40 @@ def sums(args: argparse.Namespace, cuda: bool, where: str) -> None:
     print(f"per forward: {moved / MiB:.2f} MiB {how}; time to first token {ttft * 1e3:.1f} ms, {rate:.1f} tokens/s "
           f"(batched by prompt length; each forward reruns the whole context: this model has no KV cache)")
     print(f"placement: {rep['calls']}; time in blocks run on the CPU {rep['cpu_s']:.3f} s")
+    if cost_model_line(rep):
+        print(cost_model_line(rep))
     print(bound_line(rep, cuda, moved, rate, args))
     h.close()
 
 
 def bound_line(rep: dict[str, Any], cuda: bool, moved: float, rate: float, args: argparse.Namespace) -> str:
     """The tokens/s the moved bytes allow: over the measured host-to-device bandwidth on a GPU, or
-    this disk's O_DIRECT read rate (the calibration's, else measured here) on the CPU."""
+    this disk's O_DIRECT read rate (this machine's calibration's, else measured here and not
+    stored) on the CPU; it says which."""
     if moved <= 0:
         return "bound: nothing moved per forward (every block resident)"
     if cuda:
         bw = rep["h2d_bytes"] / rep["h2d_s"] if rep["h2d_s"] > 0 else float("nan")
-        what = "host-to-device bandwidth"
+        what, source = "host-to-device bandwidth", "this run's copies"
     else:
         from offload_adam.runtime import calibration, costs
 
-        bw = calibration.load().get("disk_read_gbs") or costs.disk_read_gbs(args.nvme_dir, 256 << 20)
+        cal = calibration.read()
+        got = cal.rate("disk_read_gbs")
+        if got is not None:
+            bw, source = got[0], f"calibration {cal.where}, {got[1].describe()}"
+        else:
+            bw, source = costs.disk_read_gbs(args.nvme_dir, 256 << 20), "measured now under the run's nvme_dir, not stored"
         bw *= 1e9
         what = "O_DIRECT read rate"
     forwards = bw / moved
-    return f"bound: {what} {bw / 1e9:.2f} GB/s / {moved / MiB:.2f} MiB per forward = {forwards:.1f} forwards/s"
+    return f"bound: {what} {bw / 1e9:.2f} GB/s ({source}) / {moved / MiB:.2f} MiB per forward = {forwards:.1f} forwards/s"
+
+
+def cost_model_line(rep: dict[str, Any]) -> str | None:
+    """placement="auto": the figures its choices took and where they came from (None otherwise)."""
+    cm = rep.get("cost_model")
+    return None if cm is None else "placement='auto' cost model: " + "; ".join(f"{k} {v}" for k, v in cm.items())
 
 
 def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
@@ -330,6 +344,8 @@ def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
         f"{rep['cpu_s']:.2f} s in blocks run on the CPU, over {rep['passes']} forwards; placement {rep['calls']}"
         + (f"; host waited {rep['io_wait_s'] * 1e3:.1f} ms for the disk" if args.storage == "nvme" else "")
     )
+    if cost_model_line(rep):
+        print(cost_model_line(rep))
     print(f"time to first token {ttft * 1e3:.1f} ms, decode {rate:.2f} tokens/s; " + bound_line(rep, cuda, moved, rate, args))
     if resident is not None:
         same = torch.equal(resident["tokens"], toks.cpu())

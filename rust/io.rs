@@ -9,7 +9,11 @@
 //! Files are opened with `O_DIRECT` where the filesystem accepts it (no page-cache copy of the
 //! state); where it does not (tmpfs), buffered, with the page cache dropped behind each
 //! transfer. A request's completion is a [`Ticket`]; an error names the file, the offset and
-//! the errno. A test-only fault seam fails the n-th read or write with a chosen errno.
+//! the errno. A test-only fault seam fails the n-th read, write or allocation with a chosen
+//! errno. [`Engine::close`] gives everything back at once: it waits for the transfers queued,
+//! stops the threads (and the io_uring), and closes every file; later use is an error.
+//! Files are created with `O_NOFOLLOW`: a symlink planted under a file's name is refused, never
+//! followed.
 //!
 //! The engine does not own the memory it transfers: a request carries an address and a length,
 //! and the caller keeps that memory alive and untouched until the ticket completes (the binding
@@ -18,7 +22,7 @@
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
@@ -164,18 +168,29 @@ impl Chunk {
     }
 }
 
+/// What the fault seam fails: a read, a write, or an allocation (`Engine::open`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    Read,
+    Write,
+    Open,
+}
+
 #[derive(Default)]
 struct Faults {
-    // (write, errno, transfers of that kind to let through first)
-    armed: Option<(bool, i32, u64)>,
+    // (operation, errno, operations of that kind to let through first)
+    armed: Option<(Op, i32, u64)>,
 }
 
 /// The I/O engine (see the module documentation).
 pub struct Engine {
     backend: Backend,
     files: Mutex<Vec<Option<OpenFile>>>,
-    tx: Option<Sender<Chunk>>,
-    workers: Vec<JoinHandle<()>>,
+    // None once closed. Held while chunks are sent, so that `close` (which takes it) sees every
+    // chunk queued before it, and the workers drain them all before they stop.
+    tx: Mutex<Option<Sender<Chunk>>>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+    closed: AtomicBool,
     faults: Mutex<Faults>,
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
@@ -243,8 +258,9 @@ impl Engine {
         Ok(Engine {
             backend,
             files: Mutex::new(Vec::new()),
-            tx: Some(tx),
-            workers,
+            tx: Mutex::new(Some(tx)),
+            workers: Mutex::new(workers),
+            closed: AtomicBool::new(false),
             faults: Mutex::new(Faults::default()),
             bytes_read: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
@@ -255,11 +271,44 @@ impl Engine {
         self.backend
     }
 
+    /// Whether [`Engine::close`] has run.
+    pub fn closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed() {
+            return Err(Error::Runtime("the I/O engine is closed".into()));
+        }
+        Ok(())
+    }
+
+    /// Gives back what the engine holds: waits for every transfer queued, stops its threads
+    /// (the io_uring's descriptor goes with its driver) and closes every file. Idempotent;
+    /// afterwards `open`, `open_read` and `submit` are errors.
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        // The workers see the channel closed once they have drained the chunks queued.
+        drop(self.tx.lock().unwrap_or_else(|e| e.into_inner()).take());
+        let workers: Vec<_> = self
+            .workers
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .drain(..)
+            .collect();
+        for w in workers {
+            let _ = w.join();
+        }
+        // No chunk holds a descriptor any more: close them all.
+        self.files.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
     /// Opens (creating it) `path` and makes it `size` bytes long, its blocks allocated. Returns
     /// the file's index for [`Request::file`].
     pub fn open(&self, path: &str, size: u64) -> Result<usize> {
+        self.check_open()?;
         let c = CString::new(path).map_err(|_| Error::Value(format!("{path:?}: contains a NUL byte")))?;
-        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC;
+        let flags = libc::O_RDWR | libc::O_CREAT | libc::O_CLOEXEC | libc::O_NOFOLLOW;
         // SAFETY: plain syscalls with a NUL-terminated path; the descriptor is owned by a File.
         let (fd, direct) = unsafe {
             let fd = libc::open(c.as_ptr(), flags | libc::O_DIRECT, 0o600);
@@ -280,8 +329,11 @@ impl Engine {
         // SAFETY: `fd` is a fresh descriptor nobody else owns.
         let file = unsafe { File::from_raw_fd(fd) };
         if size > 0 {
-            // SAFETY: plain syscall on our descriptor.
-            let r = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as i64) };
+            let r = match self.fault_for(Op::Open) {
+                Some(e) => e,
+                // SAFETY: plain syscall on our descriptor.
+                None => unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as i64) },
+            };
             if r != 0 {
                 return Err(Error::Io(
                     r,
@@ -305,6 +357,7 @@ impl Engine {
     /// checkpoint's tensors sit at any offset), the page cache dropped behind each read.
     /// Returns the file's index and its size in bytes.
     pub fn open_read(&self, path: &str) -> Result<(usize, u64)> {
+        self.check_open()?;
         let file = File::open(path).map_err(|e| {
             Error::Io(
                 e.raw_os_error().unwrap_or(libc::EIO),
@@ -329,7 +382,10 @@ impl Engine {
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         match files.get(id) {
             Some(Some(f)) => Ok(f.direct),
-            _ => Err(Error::Value(format!("no open file {id}"))),
+            _ => {
+                self.check_open()?;
+                Err(Error::Value(format!("no open file {id}")))
+            }
         }
     }
 
@@ -341,22 +397,22 @@ impl Engine {
         }
     }
 
-    /// Test-only: the transfer of kind `write` after `after` more of them fails with `errno`
-    /// (once); `errno` 0 disarms.
-    pub fn inject_fault(&self, write: bool, errno: i32, after: u64) {
+    /// Test-only: the operation `op` after `after` more of them fails with `errno` (once; an
+    /// `Open` fails its allocation, as `posix_fallocate` on a full disk); `errno` 0 disarms.
+    pub fn inject_fault(&self, op: Op, errno: i32, after: u64) {
         let mut f = self.faults.lock().unwrap_or_else(|e| e.into_inner());
-        f.armed = if errno == 0 { None } else { Some((write, errno, after)) };
+        f.armed = if errno == 0 { None } else { Some((op, errno, after)) };
     }
 
-    fn fault_for(&self, write: bool) -> Option<i32> {
+    fn fault_for(&self, op: Op) -> Option<i32> {
         let mut f = self.faults.lock().unwrap_or_else(|e| e.into_inner());
         match f.armed {
-            Some((w, e, 0)) if w == write => {
+            Some((o, e, 0)) if o == op => {
                 f.armed = None;
                 Some(e)
             }
-            Some((w, e, n)) if w == write => {
-                f.armed = Some((w, e, n - 1));
+            Some((o, e, n)) if o == op => {
+                f.armed = Some((o, e, n - 1));
                 None
             }
             _ => None,
@@ -371,6 +427,7 @@ impl Engine {
     /// either) by anyone else, until the ticket completes: the kernel or the I/O threads write
     /// into it (reads) or read it (writes) after this returns.
     pub unsafe fn submit(&self, reqs: &[Request]) -> Result<Ticket> {
+        self.check_open()?;
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         let mut chunks = Vec::new();
         for r in reqs {
@@ -412,12 +469,12 @@ impl Engine {
             ticket.finish(None);
             return Ok(ticket);
         }
-        let tx = self
-            .tx
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner());
+        let tx = tx
             .as_ref()
             .ok_or_else(|| Error::Runtime("the I/O engine is closed".into()))?;
         for (req, fd, direct, path) in chunks {
-            let fault = self.fault_for(req.write);
+            let fault = self.fault_for(if req.write { Op::Write } else { Op::Read });
             let counter = if req.write {
                 &self.bytes_written
             } else {
@@ -442,10 +499,7 @@ impl Engine {
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        self.tx = None; // the workers see the channel closed once the queue is drained
-        for w in self.workers.drain(..) {
-            let _ = w.join();
-        }
+        self.close();
     }
 }
 
@@ -673,7 +727,7 @@ mod tests {
         transfer(false, addr, n, 0).unwrap();
         assert_eq!(crc32c(b.buf(n)), crc);
         // A fault: the next read fails with the errno, naming the file.
-        eng.inject_fault(false, libc::EIO, 0);
+        eng.inject_fault(Op::Read, libc::EIO, 0);
         let e = transfer(false, addr, ALIGN, 0).unwrap_err();
         assert!(matches!(e, Error::Io(libc::EIO, _)), "{e:?}");
         assert!(e.message().contains("f.bin"), "{e}");
@@ -695,6 +749,84 @@ mod tests {
         unsafe { eng.submit(&[req]) }.unwrap().wait().unwrap();
         assert_eq!(&c[1..], &a.buf(n)[13..1013]);
         assert!(eng.open_read(dir.join("missing").to_str().unwrap()).is_err());
+        drop(eng);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("offload-adam-io-test-{}-{name}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// Descriptors of this process open on `path`.
+    fn fds_on(path: &std::path::Path) -> usize {
+        std::fs::read_dir("/proc/self/fd")
+            .unwrap()
+            .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l == path)
+            .count()
+    }
+
+    #[test]
+    fn close_waits_the_queue_closes_every_file_and_refuses_later_use() {
+        let dir = scratch("close");
+        let path = dir.join("f.bin");
+        let eng = Engine::new(Some(Backend::Threads), 4).unwrap();
+        let n = 2 * CHUNK;
+        let f = eng.open(path.to_str().unwrap(), n as u64).unwrap();
+        let (r, _) = eng.open_read(path.to_str().unwrap()).unwrap();
+        assert_eq!(fds_on(&path), 2);
+        let mut a = Aligned::new(n);
+        a.buf(n).fill(7);
+        let req = Request {
+            write: true,
+            file: f,
+            addr: a.buf(n).as_ptr() as usize,
+            len: n,
+            offset: 0,
+        };
+        // SAFETY: the buffer outlives the wait below, and nothing else touches it.
+        let ticket = unsafe { eng.submit(&[req]) }.unwrap();
+        eng.close(); // with the write still queued: it completes first
+        ticket.wait().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), vec![7u8; n]);
+        assert_eq!(fds_on(&path), 0);
+        assert!(eng.closed());
+        for e in [
+            eng.open(dir.join("g.bin").to_str().unwrap(), 0).unwrap_err(),
+            eng.open_read(path.to_str().unwrap()).unwrap_err(),
+            // SAFETY: refused before anything is queued.
+            unsafe { eng.submit(&[req]) }.err().expect("refused"),
+            eng.direct(r).unwrap_err(),
+        ] {
+            assert!(e.message().contains("the I/O engine is closed"), "{e}");
+        }
+        assert!(!dir.join("g.bin").exists());
+        eng.close(); // a second close: nothing to do
+        drop(eng);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_symlink_is_not_followed_and_an_allocation_fault_is_an_enospc() {
+        let dir = scratch("nofollow");
+        let target = dir.join("elsewhere");
+        let link = dir.join("f.bin");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        let eng = Engine::new(Some(Backend::Threads), 4).unwrap();
+        let e = eng.open(link.to_str().unwrap(), ALIGN as u64).unwrap_err();
+        assert!(matches!(e, Error::Io(libc::ELOOP, _)), "{e:?}");
+        assert!(!target.exists());
+        eng.inject_fault(Op::Open, libc::ENOSPC, 1);
+        eng.open(dir.join("a.bin").to_str().unwrap(), ALIGN as u64).unwrap();
+        let e = eng.open(dir.join("b.bin").to_str().unwrap(), ALIGN as u64).unwrap_err();
+        assert!(matches!(e, Error::Io(libc::ENOSPC, _)), "{e:?}");
+        assert!(
+            e.message().contains("cannot allocate 4096 bytes for") && e.message().contains("b.bin"),
+            "{e}"
+        );
+        eng.open(dir.join("c.bin").to_str().unwrap(), ALIGN as u64).unwrap(); // once
         drop(eng);
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -513,3 +514,102 @@ def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
             loss.backward()
         del loss
         ao.close()
+
+
+def _fail_writes(monkeypatch: pytest.MonkeyPatch, op: str, after: int) -> None:
+    """Every page store made from now on fails its I/O engine's ``op`` number ``after`` (0: the
+    first) with ENOSPC."""
+    from offload_adam.runtime.pages import RunDir
+
+    real = RunDir.__init__
+
+    def init(self: RunDir, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        self.io.inject_fault(op, errno.ENOSPC, after)
+
+    monkeypatch.setattr(RunDir, "__init__", init)
+
+
+def test_a_failed_write_is_written_again_never_read_back_unwritten(nvme_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush() whose write failed (ENOSPC) raised once; the next flush() took that write as
+    done (a failed Transfer's second wait returned), released its region, and the backward read
+    the range never written: silently wrong gradients. The write is tried again instead, and the
+    gradients are bitwise those of the model without offloading."""
+    _fail_writes(monkeypatch, "write", 1)
+    with testing.simulated_device(seed=3, max_delay_s=0.0) as sim:
+        m = _Chain()
+        ref = copy.deepcopy(m)
+        x = torch.randn(64, 64, requires_grad=True)
+        ref(x.detach().clone().requires_grad_()).sum().backward()
+        release = sim.hold(sim.d2h)  # nothing written behind during the forward: flush() writes it all
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        release()
+        with pytest.raises(OSError, match=r"writing a saved storage of \d+ bytes to .*activations-0\.bin.*No space left on device"):
+            ao.flush()
+        ao.flush()  # the disk has room again: the failed write is done now
+        loss.backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+        assert ao.report()["write_bytes"] >= 7 * 64 * 64 * 4  # six storages, one of them twice
+        ao.close()
+    assert sim.violations == []
+
+
+def _open_under(d: str) -> list[str]:
+    root = os.path.realpath(d) + os.sep
+    links = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return [link for link in links if link.startswith(root)]
+
+
+def test_close_after_a_failed_flush_gives_everything_back(nvme_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush() on a disk without room for the first 64 MiB segment raised ENOSPC; close() in
+    the except block wrote the pending regions again, raised the same error, kept closed False
+    and the run directory (as long as the failed graph lived). It drops the pending writes
+    instead: nothing raised, the directory and its descriptors gone, and the saved tensors,
+    never written, still come back from RAM."""
+    import offload_adam.runtime.pages as pages
+
+    real = pages.shutil.disk_usage
+    monkeypatch.setattr(pages.shutil, "disk_usage", lambda p: real(p)._replace(free=4 << 20))
+    with testing.simulated_device(seed=4, max_delay_s=0.0) as sim:
+        m = _Chain()
+        ref = copy.deepcopy(m)
+        x = torch.randn(64, 64, requires_grad=True)
+        ref(x.detach().clone().requires_grad_()).sum().backward()
+        release = sim.hold(sim.d2h)  # nothing written behind during the forward
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        release()
+        try:
+            ao.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC and "needs 67108864 bytes under" in str(e)
+            ao.close()
+            assert ao.closed
+            assert os.listdir(nvme_dir) == [] and _open_under(nvme_dir) == []
+        else:
+            raise AssertionError("flush() did not raise")
+        ao.close()  # again: nothing
+        loss.backward()
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), n
+    assert sim.violations == []
+
+
+def test_a_saved_tensor_on_the_ssd_after_close_is_a_clear_error(nvme_dir: str) -> None:
+    """close() closes the files (their space given back): a graph whose saved tensors were
+    written there cannot run its backward afterwards, and says why."""
+    with testing.simulated_device(seed=5, max_delay_s=0.0):
+        m = _Chain()
+        x = torch.randn(64, 64, requires_grad=True)
+        with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
+            loss = m(x).sum()
+        ao.flush()
+        ao.close()
+        assert os.listdir(nvme_dir) == [] and _open_under(nvme_dir) == []
+        with pytest.raises(RuntimeError, match="needed after close.. removed its files: with storage='nvme', run the backward before"):
+            loss.backward()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -282,3 +284,179 @@ def test_tensor_subclasses_without_memory_of_their_own_are_refused_at_constructi
         assert float(opt.state[q]["step"]) == 1
     finally:
         dist.destroy_process_group()
+
+
+# -- bounds and the unclear errors of RELIABILITY.md section 10 (issue 36, point 6) -------------
+
+
+class _Layers(torch.nn.Module):
+    """A small model of ``n`` repeated layers: each a block of offload_weights."""
+
+    def __init__(self, n: int = 6, d: int = 32) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        return x
+
+
+@pytest.fixture
+def nvme_dir(tmp_path: Any) -> Iterator[str]:
+    d = tmp_path / "nvme"
+    d.mkdir()
+    yield str(d)
+    assert os.listdir(d) == []  # every run directory removed
+
+
+def _model_snapshot(model: torch.nn.Module) -> dict[str, tuple[int, torch.Tensor]]:
+    return {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+
+
+def _assert_model_unchanged(model: torch.nn.Module, before: dict[str, tuple[int, torch.Tensor]]) -> None:
+    assert not hasattr(model, "_offload_adam_weights")
+    for n, p in model.named_parameters():
+        assert p.device.type == "cpu" and p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]), n
+
+
+INF = float("inf")
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"gpu_budget_gb": INF}, ValueError, r"gpu_budget_gb must be a finite number of GiB, at most 1048576 \(1 PiB\), got inf"),
+    ({"gpu_budget_gb": 1e300}, ValueError, r"gpu_budget_gb must be a finite number of GiB.*got 1e\+300"),
+    ({"gpu_budget_gb": "1"}, TypeError, r"gpu_budget_gb must be a number >= 0 \(of GiB\) or None, got '1' \(str\)"),
+    ({"storage": "nvme", "host_budget_gb": INF}, ValueError, r"host_budget_gb must be a finite number of GiB.*got inf"),
+    ({"storage": "nvme", "host_budget_gb": 1e300}, ValueError, r"host_budget_gb must be a finite number of GiB.*got 1e\+300"),
+    ({"storage": "nvme", "host_budget_gb": True}, TypeError, r"host_budget_gb must be a number >= 0 \(of GiB\) or None, got True"),
+    ({"storage": "nvme", "nvme_dir": 7}, TypeError, r"nvme_dir must be a path \(str, bytes or os.PathLike\).*got 7 \(int\)"),
+    ({"storage": "nvme", "nvme_dir": b"/nonexistent-offload-adam"}, ValueError, r"nvme_dir: '/nonexistent-offload-adam' is not a directory"),
+    ({"num_threads": "many"}, ValueError, r"num_threads must be an int >= 1 or None, got 'many'"),
+])  # fmt: skip
+def test_offload_weights_refuses_unbounded_and_mistyped_arguments_by_name(
+    kw: dict[str, Any], exc: type, match: str, nvme_dir: str
+) -> None:  # fmt: skip
+    """``inf`` and ``1e300`` GiB used to be an OverflowError that named nothing (float infinity to
+    integer); a budget is refused naming it, before the model changes."""
+    from offload_adam import offload_weights, testing
+
+    model = _Layers()
+    before = _model_snapshot(model)
+    if kw.get("storage") == "nvme":
+        kw = {"nvme_dir": nvme_dir, **kw}
+    with testing.simulated_device(max_delay_s=0.0), pytest.raises(exc, match=match):
+        offload_weights(model, **kw)
+    with pytest.raises(exc, match=match):
+        offload_weights(model, device="cpu", **kw)
+    _assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"host_budget_gb": INF, "storage": "nvme"}, ValueError, r"host_budget_gb must be a finite number of GiB.*got inf"),
+    ({"host_budget_gb": 1e300, "storage": "nvme"}, ValueError, r"host_budget_gb must be a finite number of GiB.*got 1e\+300"),
+    ({"host_budget_gb": "1"}, TypeError, r"host_budget_gb must be a number >= 0 \(of GiB\), got '1' \(str\)"),
+    ({"bucket_mb": INF}, ValueError, r"bucket_mb must be a finite number of MiB.*got inf"),
+    ({"bucket_mb": 1e300}, ValueError, r"bucket_mb must be a finite number of MiB.*got 1e\+300"),
+    ({"bucket_mb": "32"}, TypeError, r"bucket_mb must be a number > 0 \(of MiB\), got '32' \(str\)"),
+    ({"bucket_mb": None}, TypeError, r"bucket_mb must be a number > 0 \(of MiB\), got None \(NoneType\)"),
+    ({"bucket_mb": float("nan")}, ValueError, r"bucket_mb must be a number > 0 \(of MiB\), got nan"),
+    ({"bucket_mb": 0}, ValueError, r"bucket_mb must be a number > 0 \(of MiB\), got 0"),
+    ({"storage": "nvme", "nvme_dir": 7}, TypeError, r"nvme_dir must be a path \(str, bytes or os.PathLike\).*got 7 \(int\)"),
+    ({"storage": "nvme", "nvme_dir": b"/nonexistent-offload-adam"}, ValueError, r"nvme_dir: '/nonexistent-offload-adam' is not a directory"),
+])  # fmt: skip
+def test_adamw_refuses_unbounded_and_mistyped_arguments_by_name(kw: dict[str, Any], exc: type, match: str, nvme_dir: str) -> None:
+    opt, ps = stepped()
+    snap = snapshot(opt, ps)
+    if kw.get("storage") == "nvme" and "nvme_dir" not in kw:
+        kw = {"nvme_dir": nvme_dir, **kw}
+    with pytest.raises(exc, match=match):
+        AdamW(ps, **kw)
+    assert_unchanged(opt, ps, snap)
+    for p in ps:  # the first optimizer still steps
+        p.grad = torch.zeros(p.shape)
+    opt.step()
+
+
+def test_adamw_nvme_dir_7_is_refused_even_where_a_folder_7_exists(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``str(7)`` was taken: with a folder ``./7`` the state went there. It is refused as
+    offload_weights refuses it, and nothing is written."""
+    (tmp_path / "7").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(TypeError, match=r"nvme_dir must be a path"):
+        AdamW(make_params(), storage="nvme", nvme_dir=7)
+    assert os.listdir(tmp_path / "7") == []
+
+
+def test_bytes_nvme_dirs_are_paths(nvme_dir: str) -> None:
+    """``nvme_dir=b"/existing/dir"`` was refused as "not a directory", which was false: a bytes
+    path is taken as the OS gives it (``os.fsdecode``), by all three offloads."""
+    from offload_adam import offload_activations, offload_weights, testing
+
+    raw = os.fsencode(nvme_dir)
+    ps = make_params()
+    opt = AdamW(ps, storage="nvme", nvme_dir=raw)
+    for p in ps:
+        p.grad = torch.ones(p.shape)
+    opt.step()
+    assert len(os.listdir(nvme_dir)) == 1  # its run directory, under the decoded path
+    opt.close()
+    model = _Layers(n=3)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        want = model(x)
+        h = offload_weights(model, device="cpu", storage="nvme", nvme_dir=raw)
+        assert torch.equal(model(x), want)
+        h.close()
+    with testing.simulated_device(max_delay_s=0.0):
+        offload_activations(storage="nvme", nvme_dir=raw).close()
+
+
+def _affinity(monkeypatch: pytest.MonkeyPatch, cpus: int) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)))
+
+
+def test_num_threads_above_the_cpus_this_process_may_use_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``AdamW(num_threads=2048)`` started 2048 threads, and offload_weights(num_threads=4096)
+    about 11,500, on two CPUs: above the affinity set it is refused, naming num_threads and the
+    count; the default is torch's thread count, capped at that set."""
+    from offload_adam import offload_weights
+
+    _affinity(monkeypatch, 2)
+    ps = make_params()
+    with pytest.raises(ValueError, match=r"num_threads=3 is more than the 2 CPUs this process may use \(os.sched_getaffinity\): at most 2"):
+        AdamW(ps, num_threads=3)
+    with pytest.raises(ValueError, match=r"num_threads=2048 is more than the 2 CPUs"):
+        AdamW(ps, num_threads=2048)
+    assert not any(p.grad is not None for p in ps)
+    model = _Layers(n=3)
+    before = _model_snapshot(model)
+    with pytest.raises(ValueError, match=r"num_threads=4096 is more than the 2 CPUs this process may use"):
+        offload_weights(model, device="cpu", num_threads=4096)
+    _assert_model_unchanged(model, before)
+    assert AdamW(ps, num_threads=2)._config["num_threads"] == 2  # at the bound: taken
+    # the default: torch's, within the affinity set
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert AdamW(ps)._config["num_threads"] == 1
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert AdamW(ps)._config["num_threads"] == 2
+
+
+def test_prefetch_far_above_the_streamed_blocks_warns_and_is_capped(nvme_dir: str) -> None:
+    """``prefetch=10**9`` with storage="nvme" on the CPU allocated RAM ring slots until memory ran
+    out (RELIABILITY.md defect 7): it warns and the ring holds at most the streamed blocks."""
+    from offload_adam import offload_weights
+
+    model = _Layers(n=6)
+    x = torch.randn(2, 32)
+    with torch.no_grad():
+        want = model(x)
+    with pytest.warns(UserWarning, match=r"prefetch=1000000000 is more than the 6 streamed blocks; capped at 6"):
+        h = offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=10**9, native_matmul=False)
+    rep = h.report()
+    page = max(b.nbytes for b in h.blocks)
+    assert rep["streamed_blocks"] == 6 and h.prefetch == 6
+    assert 0 < rep["host_ring_bytes"] <= 6 * (page + 4096)
+    with torch.no_grad():
+        assert torch.equal(model(x), want)
+    h.close()

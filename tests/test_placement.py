@@ -191,6 +191,65 @@ def test_training_always_streams_whatever_the_placement() -> None:
         h.close()
 
 
+def test_auto_says_which_figures_it_took_and_where_from(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any, caplog: pytest.LogCaptureFixture
+) -> None:  # fmt: skip
+    """placement="auto" without a cost model: a machine without a calibration is measured once
+    and stored, saying so and where; report()["cost_model"] names each figure's source (the
+    file and its measurement's time, CPU and load, or the stated default); the next offload reads
+    the file and measures nothing; a measurement under load is used and not stored, and said so."""
+    import logging
+
+    from offload_adam.runtime import calibration, costs
+
+    def fake(load: float) -> calibration.Measurement:
+        return calibration.Measurement(
+            figures={"host_read_gbs": 20.0, "cpu_matmul_gflops": {"float32": {"1": 40.0, "64": 600.0}}},
+            time="2026-12-05T10:11:12+00:00", cpu=calibration.cpu_model(), cores=2, load_avg=load, spread=0.05, repeats=5,
+            by="placement='auto'",
+        )  # fmt: skip
+
+    monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path / "quiet"))
+    monkeypatch.setattr(costs, "_UNSTORED", {})
+    monkeypatch.setattr(costs, "measure", lambda **kw: fake(0.4))
+    model = gpt2(torch.float32, layers=2)
+    with testing.simulated_device(max_delay_s=0.0), caplog.at_level(logging.INFO, logger="offload_adam"):
+        h = offload_adam.offload_weights(model, placement="auto")
+        cm = h.report()["cost_model"]
+        h.close()
+        where = calibration.path()
+        assert where.exists() and calibration.measurements() == [fake(0.4)]
+        assert f"placement='auto' measured this machine ({fake(0.4).describe()}) and stored it in {where}" in caplog.text
+        assert cm["host_read_gbs"] == f"20 GB/s (calibration {where}, {fake(0.4).describe()})"
+        assert cm["cpu_matmul_gflops[float32]"].startswith("40 GFLOP/s at 1 row, 600 at 64 (calibration ")
+        assert cm["pcie_h2d_gbs"] == "25 GB/s (stated default (offload_adam.runtime.costs))"
+        assert "placement='auto' costs calls with host_read_gbs 20 GB/s" in caplog.text
+        # the next offload: the file's figures, nothing measured
+        monkeypatch.setattr(costs, "measure", lambda **kw: pytest.fail("measured again"))
+        h = offload_adam.offload_weights(model, placement="auto")
+        assert h.report()["cost_model"] == cm
+        h.close()
+        # under load: used for this process, not stored
+        caplog.clear()
+        monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path / "busy"))
+        monkeypatch.setattr(costs, "measure", lambda **kw: fake(9.0))
+        h = offload_adam.offload_weights(model, placement="auto")
+        cm = h.report()["cost_model"]
+        h.close()
+    assert not calibration.path().exists()
+    assert cm["host_read_gbs"] == "20 GB/s (measured now, not stored: the load average, 9.00, was above the 2 cores)"
+    assert "for this process only: not stored in" in caplog.text
+    monkeypatch.setattr(costs, "measure", lambda **kw: pytest.fail("measured again"))
+    with testing.simulated_device(max_delay_s=0.0):  # measured once per process
+        h = offload_adam.offload_weights(model, placement="auto")
+        assert h.report()["cost_model"] == cm
+        h.close()
+    with testing.simulated_device(max_delay_s=0.0):
+        h = offload_adam.offload_weights(model)
+        assert h.report()["cost_model"] is None  # placement "stream": no cost model
+        h.close()
+
+
 # -- bad input ----------------------------------------------------------------------------------
 
 

@@ -99,7 +99,9 @@ import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
 from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
 
+from offload_adam.runtime import calibration  # noqa: E402
 from offload_adam.tools import plan  # noqa: E402
 
 GiB = 1 << 30
@@ -171,20 +173,62 @@ def test_time_terms_follow_the_bandwidths_and_the_gpu_compute(capsys: pytest.Cap
     assert t.bound == "the GPU's compute" and math.isclose(t.seconds, compute + max(t.cpu, t.disk))
 
 
-def test_bandwidths_come_from_the_calibration_file(_no_calibration: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    _no_calibration.mkdir()
-    f = _no_calibration / "calibration.json"
-    f.write_text(json.dumps({"pcie_h2d_gbs": 12.5, "disk_read_gbs": 6.0, "host_read_gbs": 50.0, "cpu_matmul_gflops": {"bfloat16": {"1": 30, "64": 800}}}))
-    r = plan.rates()
+def _calibrate(figures: dict[str, Any], **kw: Any) -> Path:
+    """This user's calibration file with one quiet measurement of ``figures`` on this CPU."""
+    m = calibration.Measurement(
+        figures=figures, time="2026-12-05T10:11:12+00:00", cpu=calibration.cpu_model(), cores=2, load_avg=0.3, spread=0.04,
+        repeats=5, by="test", version="0",
+    )  # fmt: skip
+    return calibration.store(calibration.Measurement(**{**vars(m), **kw}))
+
+
+# Figures 20 times too low or high, as another process measuring under load left them
+ABSURD = {"pcie_h2d_gbs": 1.25, "disk_read_gbs": 0.15, "host_read_gbs": 900.0, "cpu_matmul_gflops": {"bfloat16": {"1": 1.5, "64": 25}}}
+
+
+@pytest.mark.parametrize("case", [CASE, ["--inference", *CASE], ["--inference", "--params", "13B", "--gpu-gb", "0", "--host-gb", "64"]])
+def test_a_plan_for_a_machine_given_by_flags_does_not_read_the_calibration(case: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan for a machine described by flags takes the flags and the stated defaults: this
+    machine's calibration (here absurd) changes nothing unless --this-machine asks for it."""
+    assert main(case) == 0
+    want = capsys.readouterr().out
+    assert "figures: the flags, else stated defaults (this machine's calibration only with --this-machine)" in want
+    f = _calibrate(ABSURD)
+    assert main(case) == 0
+    assert capsys.readouterr().out == want
+    assert main([*case, "--this-machine"]) == 0
+    got = capsys.readouterr().out
+    assert got != want and f"figures: the flags, else this machine's calibration ({f}), else stated defaults" in got
+    assert "  calibration: measured 2026-12-05 10:11 UTC on " in got and "load average 0.30, spread between repeats 4%" in got
+
+
+def test_bandwidths_come_from_the_calibration_with_this_machine(_no_calibration: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    f = _calibrate({"pcie_h2d_gbs": 12.5, "disk_read_gbs": 6.0, "host_read_gbs": 50.0, "cpu_matmul_gflops": {"bfloat16": {"1": 30, "64": 800}}})
+    assert plan.rates().source["disk"].startswith("default: ")  # not read unless asked
+    r = plan.rates(this_machine=True)
     assert (r.pcie, r.disk, r.host) == (12.5, 6.0, 50.0)
-    assert r.source["disk"] == f"calibration: {f}"
-    assert plan.rates(disk=2.0).disk == 2.0  # a flag wins
-    assert main(CASE) == 0
+    assert r.source["disk"] == "this machine's calibration, measured 2026-12-05 10:11 UTC"
+    assert plan.rates(disk=2.0, this_machine=True).disk == 2.0  # a flag wins
+    assert main([*CASE, "--this-machine"]) == 0
     out = capsys.readouterr().out
-    assert f"SSD 6 GB/s (calibration: {f})" in out and f"PCIe 12.5 GB/s (calibration: {f})" in out
-    f.write_text('{"disk_read_gbs": "fast"}')
+    assert "SSD 6 GB/s (this machine's calibration, measured 2026-12-05 10:11 UTC)" in out
+    assert "PCIe 12.5 GB/s (this machine's calibration, measured 2026-12-05 10:11 UTC)" in out
+    assert f"calibration ({f})" in out
+    # the CPU's 1-row matmul rate of --inference too, and where it came from
+    assert main(["--inference", *CASE, "--this-machine"]) == 0
+    assert "(30 GFLOP/s, this machine's calibration, measured 2026-12-05 10:11 UTC)" in capsys.readouterr().out
+    # another CPU's measurement is not this machine's
+    data = json.loads(f.read_text())
+    data["measurements"][0]["cpu"] = "Another CPU"
+    f.write_text(json.dumps(data))
+    assert main([*CASE, "--this-machine"]) == 0
+    out = capsys.readouterr().out
+    assert "SSD 3 GB/s (default" in out and "not used, another CPU's: measured 2026-12-05 10:11 UTC on Another CPU" in out
+    f.write_text('{"format": 2, "measurements": [{"figures": {"disk_read_gbs": "fast"}}]}')
+    assert main(CASE) == 0  # not read
+    capsys.readouterr()
     with pytest.raises(SystemExit):
-        main(CASE)
+        main([*CASE, "--this-machine"])
     assert str(f) in capsys.readouterr().err
 
 

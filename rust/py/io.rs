@@ -1,5 +1,5 @@
 //! The NVMe tier's I/O engine and its helpers, for Python: `IoEngine` (files, transfers of
-//! tensors' memory, fault injection), `IoTicket` (a batch's completion; waiting releases the
+//! tensors' memory, fault injection, `close`), `IoTicket` (a batch's completion; waiting releases the
 //! GIL), `crc32c` of a tensor's bytes, `io_backend()` and `MemoryWindow`.
 
 use std::collections::HashMap;
@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::convert::{err, value_error};
 use super::dlpack::Import;
-use crate::io::{self, Backend, Request};
+use crate::io::{self, Backend, Op, Request};
 use crate::window;
 
 fn backend_named(name: Option<&str>) -> PyResult<Option<Backend>> {
@@ -63,6 +63,21 @@ impl IoEngine {
         self.inner.close_file(file)
     }
 
+    /// Waits for the transfers queued, stops the engine's threads and closes every file it
+    /// opened (its io_uring too): the disk space of files already removed is given back now, not
+    /// when the engine is garbage-collected. Idempotent; `open`, `open_read` and `submit` then
+    /// raise RuntimeError.
+    fn close(&self, py: Python<'_>) {
+        let inner = self.inner.clone();
+        py.detach(move || inner.close())
+    }
+
+    /// Whether `close` has run.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.closed()
+    }
+
     /// Queues transfers `(write, file, tensor, file_offset)`: the whole of each tensor's memory
     /// (contiguous). The tensors are kept alive by the ticket; nobody may touch their memory
     /// until it completes.
@@ -91,16 +106,17 @@ impl IoEngine {
         })
     }
 
-    /// Test-only fault seam: the `op` ("read" or "write") after `after` more of them fails with
-    /// `errno` (0 disarms).
+    /// Test-only fault seam: the `op` ("read", "write", or "open": a file's allocation) after
+    /// `after` more of them fails with `errno` (0 disarms).
     #[pyo3(signature = (op, errno, after=0))]
     fn inject_fault(&self, op: &str, errno: i32, after: u64) -> PyResult<()> {
-        let write = match op {
-            "read" => false,
-            "write" => true,
-            o => return Err(value_error(format!("op must be 'read' or 'write', got {o:?}"))),
+        let op = match op {
+            "read" => Op::Read,
+            "write" => Op::Write,
+            "open" => Op::Open,
+            o => return Err(value_error(format!("op must be 'read', 'write' or 'open', got {o:?}"))),
         };
-        self.inner.inject_fault(write, errno, after);
+        self.inner.inject_fault(op, errno, after);
         Ok(())
     }
 

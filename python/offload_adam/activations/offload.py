@@ -41,6 +41,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime import checks
 from ..runtime.device import Device, Meter, refuse_capture, stream_device
 from ..runtime.pages import ALIGN, IoStats, PageFile, PageStore, Transfer
 from ..runtime.pinned import FreeList, Region, align_up, slab_pool
@@ -301,8 +302,7 @@ class ActivationOffload:
             if self.by_ptr.get(item.ptr) is item:
                 del self.by_ptr[item.ptr]
             if item.writing is not None:
-                item.writing.wait()
-                item.writing = None
+                self._finish_write(item, retry=False)  # (its bytes are not wanted: an error does not matter)
             if item in self.writes:
                 self.writes.remove(item)  # (a later d2h copy into the region follows its copy)
             self._release_region(item)
@@ -325,38 +325,72 @@ class ActivationOffload:
     def _label(item: _Item) -> str:
         return f"a saved storage of {item.nbytes} bytes"
 
+    def _finish_write(self, item: _Item, retry: bool) -> OSError | None:
+        """Waits for ``item``'s write. If it failed, its file range is given back (never read:
+        it holds nothing) and its region, which still holds its bytes, stays the item's: to be
+        written again (``retry``) or brought back from there. Returns the write's error."""
+        w, item.writing = item.writing, None
+        assert w is not None
+        try:
+            w.wait()
+        except OSError as e:
+            if item.file is not None:
+                self.files[item.file[0]].forget(item.file[1])
+                self.disk.release(item.file[0], item.file[1], item.nbytes)
+                item.file = None
+            if retry and item not in self.writes:
+                self.writes.append(item)
+            return e
+        return None
+
     def _write_behind(self, all_of_them: bool = False) -> None:
         """Writes the regions whose d2h copy has run (all of them: waiting for the copies);
-        releases the regions whose write has completed."""
+        releases the regions whose write has completed. A write that fails keeps its region
+        (its bytes are never read from the disk) and is tried again at the next call; the
+        first error is raised once every write of the call is accounted for."""
         for item in list(self.writes):
             if not all_of_them and not self.device.query(item.d2h_event):
                 continue
             self.device.host_wait(item.d2h_event)
-            self.writes.remove(item)
             assert item.region is not None
             host = item.region.host
-            seg, off = self.disk.alloc(item.nbytes)
-            item.file = (seg, off)
+            seg, off = self.disk.alloc(item.nbytes)  # (a disk without room raises: the item stays to write)
             n = align_up(item.nbytes, ALIGN)
             region = torch.empty(0, dtype=torch.uint8).set_(host.untyped_storage(), host.storage_offset(), (n,), (1,))
-            item.writing = self.files[seg].write(off, region, self._label(item))
-        for item in self.items.values():
+            try:
+                item.writing = self.files[seg].write(off, region, self._label(item))
+            except BaseException:
+                self.disk.release(seg, off, item.nbytes)
+                raise
+            item.file = (seg, off)
+            self.writes.remove(item)
+        error = None
+        for item in list(self.items.values()):
             if item.writing is not None and (all_of_them or item.writing.done()):
-                item.writing.wait()
-                item.writing = None
-                if item.dev is None:
+                e = self._finish_write(item, retry=True)
+                if e is not None:
+                    error = error or e
+                elif item.dev is None:
                     self._release_region(item)
+        if error is not None:
+            raise error
 
     def _host_of(self, item: _Item) -> Tensor:
         """The item's bytes in a host region: its own, or NVMe read back into a new one."""
         if item.region is not None:
             if item.writing is not None:
-                item.writing.wait()  # (the write reads the region; both may proceed, but
-                item.writing = None  # the region is then the item's until the h2d copy)
+                # (the write reads the region; both may proceed, but the region is then the
+                # item's until the h2d copy; a failed write does not matter: the bytes are here)
+                self._finish_write(item, retry=False)
             if item in self.writes:
                 self.writes.remove(item)  # not written yet: brought back from its region
             return item.region.host
         assert item.file is not None
+        if self.store is None:
+            raise RuntimeError(
+                "offload_activations: a saved tensor whose bytes were on the SSD is needed after close() removed its "
+                "files: with storage='nvme', run the backward before closing the handle"
+            )
         r = self.pool.alloc(item.nbytes)
         # The region may have been another's: the host writes it only after the copies that
         # used it last (their events, released with it), not after everything queued since.
@@ -481,15 +515,22 @@ class ActivationOffload:
         self.meter.peak = self.meter.current
 
     def close(self) -> None:
-        """Removes the module hooks; with NVMe, waits for the writes and removes the files.
-        Saved tensors of a graph not yet run backward must not outlive it with NVMe."""
+        """Removes the module hooks; with NVMe, drops the writes not started (those saved
+        storages stay in their RAM regions), waits for the writes in flight (their errors are
+        not raised: the files go), then closes and removes the files. It never raises an I/O
+        error, also after one (a full disk at ``flush()``). A saved tensor whose bytes were only
+        on the SSD cannot be brought back afterwards (a clear error): with NVMe, run the backward
+        of a graph before ``close()``."""
         if self.closed:
             return
         for h in self._handles:
             h.remove()
         self._handles = []
         with self.lock:
-            self._write_behind(all_of_them=True)
+            self.writes = []
+            for item in self.items.values():
+                if item.writing is not None:
+                    self._finish_write(item, retry=False)  # (its region stays: the file goes)
         self.device.drain()
         if self.store is not None:
             self.store.close()
@@ -535,8 +576,8 @@ def offload_activations(
         prefetch: storages copied back ahead of the one the backward needs (default: 2).
         storage: ``"cpu"`` (pinned host memory; the default) or ``"nvme"`` (written under
             ``nvme_dir`` behind the forward, read back during the backward).
-        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
-            (default: None).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD, a
+            ``str``, ``os.PathLike`` or ``bytes`` path (default: None).
         modules: restrict the offload to what these modules save (default: None, everything
             the forward inside the ``with`` saves).
         device: the CUDA device of the activations (default: None, the current one; inside
@@ -564,8 +605,8 @@ def offload_activations(
         raise ValueError("nvme_dir: storage='nvme' needs a directory (on an SSD)")
     if storage == "cpu" and nvme_dir is not None:
         raise ValueError("nvme_dir is only for storage='nvme'")
-    if storage == "nvme" and not (isinstance(nvme_dir, (str, os.PathLike)) and os.path.isdir(nvme_dir)):
-        raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
+    if storage == "nvme":
+        nvme_dir = checks.directory(nvme_dir, "nvme_dir")
     mods = [] if modules is None else [modules] if isinstance(modules, torch.nn.Module) else list(modules)
     dev = stream_device(device, "offload_activations moves a GPU's activations")
     return ActivationOffload(

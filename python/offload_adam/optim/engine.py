@@ -31,7 +31,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device, device_for
-from ..runtime.hosted import Home, claim, home_of, unclaim
+from ..runtime.hosted import Home, claim, claimed, home_of, unclaim
 from ..runtime.pinned import PinnedArena
 from .grads import Bucket, Rec, StreamedGrads, end_step, grad_sq_norm
 from .hyper import Hyper
@@ -160,13 +160,24 @@ class Engine:
             homes=[h.host if h is not None else None for h in homes] if any(homes) else None,
         )  # fmt: skip
         me = weakref.ref(self)
+        before = [(claimed(p), h.writer if h is not None else None) for p, h in zip(params, homes)]
         for p, h in zip(params, homes):
             claim(p, "an offload_adam optimizer")
             if h is not None:
                 h.writer = me
-        if device is None:
-            group.native.check_disjoint([g.native for g in self.groups if g is not None and not g.streamed])
-        self.tier.attach(group)
+        try:
+            if device is None:
+                group.native.check_disjoint([g.native for g in self.groups if g is not None and not g.streamed])
+            self.tier.attach(group)
+        except BaseException:
+            for p, h, (who, writer) in zip(params, homes, before):
+                if who is None:
+                    unclaim(p)
+                else:
+                    claim(p, who)
+                if h is not None:
+                    h.writer = writer
+            raise
         if gi < len(self.groups):
             self.groups[gi] = group
         else:

@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import _native
+from ..runtime import checks
 from ..runtime.device import device_for
 from . import ddp, state_io
 from .engine import Engine
@@ -104,8 +105,10 @@ def _optimizer_doc(name: str) -> str:
         differentiable: must be False (default): the step is not recorded by autograd.
         fused: accepted and ignored (default: None; False or True accepted too): the kernel is
             always fused.
-{decoupled}        num_threads: threads of the kernel's private pool (default: None, which means
-            ``torch.get_num_threads()``). Results are bitwise identical for any value.
+{decoupled}        num_threads: threads of the kernel's private pool, at most the CPUs this process may
+            use (``os.sched_getaffinity``): more is refused (default: None, which means
+            ``torch.get_num_threads()``, capped at those CPUs). Results are bitwise identical for
+            any value.
         state_dtype: dtype of the moments (default: ``torch.float32``). ``torch.bfloat16`` halves
             their memory (the update is computed in fp32 and rounded to nearest even).
             ``torch.uint8``: 8-bit block-quantized moments as torchao's ``AdamW8bit`` defines
@@ -144,14 +147,14 @@ def _optimizer_doc(name: str) -> str:
             waits only for the buckets it reads (default: False). Read weights outside a forward
             (an EMA, ``model.state_dict()``, ``p.cpu()``) only after ``optimizer.synchronize()``.
         bucket_mb: size of a gradient transfer bucket, and of a page of the NVMe tier, in MiB of
-            gradient (default: 32).
-        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
-            (default: None). The optimizer makes its own run directory under it
+            gradient (default: 32): a number above 0, at most 1 PiB.
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD, a
+            ``str``, ``os.PathLike`` or ``bytes`` path (default: None). The optimizer makes its own run directory under it
             (``offload-adam-run-<host>-<pid>-<random>``), checks the free space at construction
             and removes the directory at ``close()``, at garbage collection and at exit.
         host_budget_gb: with ``storage="nvme"``: GiB of the state kept in RAM instead of on the
-            SSD (default: 0.0). The first buckets, which the next forward needs first, stay
-            resident and are never written. Ignored with ``storage="cpu"``.
+            SSD (default: 0.0), at most 1 PiB. The first buckets, which the next forward needs
+            first, stay resident and are never written. Refused above 0 with ``storage="cpu"``.
         nvme_read_ahead: with ``storage="nvme"``: buckets read ahead of the one being stepped
             (default: 2).
 
@@ -199,17 +202,16 @@ def _config(
         )
     where, arg = _storage(storage, offload)
     if num_threads is None:
-        num_threads = torch.get_num_threads()
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise ValueError(f"num_threads must be an int >= 1, got {num_threads!r}")
-    if not bucket_mb > 0:
-        raise ValueError(f"bucket_mb must be > 0, got {bucket_mb!r}")
+        num_threads = checks.default_threads(torch.get_num_threads())
+    num_threads = checks.threads(num_threads, "num_threads", optional=False)
+    bucket_mb = checks.size(bucket_mb, "bucket_mb", "MiB", positive=True)
     if where == "nvme" and nvme_dir is None:
         raise ValueError(f'{arg}="nvme" needs nvme_dir: a directory on the SSD that holds the state')
     if where != "nvme" and nvme_dir is not None:
         raise ValueError(f'nvme_dir is only used with {arg}="nvme", got {arg}={where!r}')
-    if not (isinstance(host_budget_gb, (int, float)) and host_budget_gb >= 0):
-        raise ValueError(f"host_budget_gb must be a number >= 0, got {host_budget_gb!r}")
+    if nvme_dir is not None:
+        nvme_dir = checks.directory(nvme_dir, "nvme_dir")
+    host_budget_gb = checks.size(host_budget_gb, "host_budget_gb")
     if where != "nvme" and host_budget_gb:
         raise ValueError(
             f'host_budget_gb is only used with {arg}="nvme" (the state kept in RAM, the rest on the SSD), '
@@ -305,7 +307,13 @@ class Adam(Optimizer):
             fused=fused,
             decoupled_weight_decay=decoupled_weight_decay,
         )
-        super().__init__(params, defaults)
+        try:
+            super().__init__(params, defaults)
+        except BaseException:
+            # A failed set-up (a param group refused, a full disk) leaves nothing behind: the
+            # parameters unclaimed, the NVMe files closed and removed now, not at garbage collection.
+            self._engine.close()
+            raise
         eng = self._engine
         if (free_gradients or async_step) and eng.streamed is None and not eng._deferred:
             warnings.warn(
@@ -330,15 +338,20 @@ class Adam(Optimizer):
         self._config = config
         self.storage = config["storage"]
         self._clip_coef = 1.0
-        self._engine = Engine(
-            num_threads=config["num_threads"],
-            bias_correction=config["bias_correction"],
-            async_step=config["async_step"],
-            free_gradients=config["free_gradients"],
-            bucket_bytes=config["bucket_bytes"],
-            tier=self._make_tier(config),
-            master_dtype=config.get("master_dtype", torch.float32),
-        )
+        tier = self._make_tier(config)
+        try:
+            self._engine = Engine(
+                num_threads=config["num_threads"],
+                bias_correction=config["bias_correction"],
+                async_step=config["async_step"],
+                free_gradients=config["free_gradients"],
+                bucket_bytes=config["bucket_bytes"],
+                tier=tier,
+                master_dtype=config.get("master_dtype", torch.float32),
+            )
+        except BaseException:
+            tier.close()
+            raise
 
     @property
     def offload(self) -> str:

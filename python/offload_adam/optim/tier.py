@@ -140,7 +140,16 @@ class NvmeTier:
 
     def attach(self, group: GroupState) -> None:
         """One family per layout of the group's paged buffers (``GroupState.paged_layouts``),
-        each bucket a page of each, added bucket by bucket so that read-ahead follows the step."""
+        each bucket a page of each, added bucket by bucket so that read-ahead follows the step.
+        On error (a file that cannot be allocated) nothing is added: the files made are removed."""
+        mark = self.pager.mark()
+        try:
+            self._attach(group)
+        except BaseException:
+            self.pager.rollback(mark)
+            raise
+
+    def _attach(self, group: GroupState) -> None:
         fams: dict[str, Family] = {}
         layouts = []
         bufs = group.paged_buffers()

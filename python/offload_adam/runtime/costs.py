@@ -1,6 +1,7 @@
 """The cost model of running a block: on the CPU from its host copy, or streamed to the GPU.
 
-Measured once per machine and cached with the calibration (``runtime/calibration.py``):
+Measured once per machine and cached with the calibration (``runtime/calibration.py``, which
+records when, on which CPU and under what load; a measurement under load is used, not stored):
 
 * the host memory's read bandwidth (``host_read_gbs``);
 * the CPU's matmul rate for a dtype at 1 and at 64 rows (``cpu_matmul_gflops``);
@@ -12,12 +13,13 @@ CPU, about ``max(nbytes / host read bandwidth, 2 * params * rows / CPU rate at t
 streamed, about ``nbytes / PCIe bandwidth`` (the GPU's compute overlaps the copies). ``auto``
 placement takes the cheaper, call by call: a decode step (one row) runs on the CPU where the
 host reads faster than PCIe carries, a long prompt streams. ``python -m offload_adam calibrate``
-measures and prints these figures.
+measures and prints these figures. Each figure of a :class:`CostModel` says where it came from
+(:meth:`CostModel.describe`; ``offload_weights(...).report()["cost_model"]``).
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -27,21 +29,27 @@ import torch
 
 from . import calibration
 
+log = logging.getLogger("offload_adam")
+
 # Stated defaults where nothing was measured: PCIe 4.0 x16 in practice; a desktop's DDR5 read
 # bandwidth; a CPU's bf16 GEMV/GEMM rates of a few cores.
 DEFAULT_PCIE_GBS = 25.0
 DEFAULT_HOST_GBS = 50.0
 DEFAULT_CPU_GFLOPS = {"1": 30.0, "64": 500.0}
+MATMUL = calibration.MATMUL
 
 
 @dataclass(frozen=True)
 class CostModel:
     """Seconds per block call on the CPU and streamed (see the module documentation). Tests pass
-    one in (``offload_weights(cost_model=...)``) to force the choices they want."""
+    one in (``offload_weights(cost_model=...)``) to force the choices they want. ``sources``:
+    where each figure came from (``"host_read_gbs"``, ``"pcie_h2d_gbs"``,
+    ``"cpu_matmul_gflops[bfloat16]"``); a figure without one is the stated default."""
 
     host_read_gbs: float = DEFAULT_HOST_GBS
     pcie_h2d_gbs: float = DEFAULT_PCIE_GBS
     cpu_gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype name -> {"1": rate, "64": rate}
+    sources: dict[str, str] = field(default_factory=dict)
 
     def cpu_rate(self, dtype: torch.dtype, rows: int) -> float:
         """GFLOP/s of the CPU's matmul of ``rows`` rows, interpolated between 1 and 64 rows."""
@@ -64,119 +72,184 @@ class CostModel:
         cpu = self.cpu_seconds(nbytes, params, rows, dtype)
         return "cpu" if cpu < self.stream_seconds(nbytes, params, rows, dtype) else "stream"
 
+    def describe(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, str]:
+        """Each figure the model costs ``dtype``'s calls with, and where it came from, in words."""
+        name = str(dtype).removeprefix("torch.")
+        by = self.cpu_gflops.get(name, DEFAULT_CPU_GFLOPS)
+        default = "stated default (offload_adam.runtime.costs)"
+        mm = f"{MATMUL}[{name}]"
+        return {
+            "host_read_gbs": f"{self.host_read_gbs:.3g} GB/s ({self.sources.get('host_read_gbs', default)})",
+            "pcie_h2d_gbs": f"{self.pcie_h2d_gbs:.3g} GB/s ({self.sources.get('pcie_h2d_gbs', default)})",
+            mm: f"{by.get('1', DEFAULT_CPU_GFLOPS['1']):.3g} GFLOP/s at 1 row, {by.get('64', DEFAULT_CPU_GFLOPS['64']):.3g} at 64 "
+            f"({self.sources.get(mm, default)})",
+        }
+
     @classmethod
-    def from_calibration(cls, figures: dict[str, Any]) -> CostModel:
+    def from_calibration(cls, figures: dict[str, Any], sources: dict[str, str] | None = None) -> CostModel:
+        """The model of these figures (absent ones: the stated defaults); ``sources``: where each
+        came from (see the class documentation)."""
         return cls(
             host_read_gbs=float(figures.get("host_read_gbs", DEFAULT_HOST_GBS)),
             pcie_h2d_gbs=float(figures.get("pcie_h2d_gbs", DEFAULT_PCIE_GBS)),
-            cpu_gflops=dict(figures.get("cpu_matmul_gflops", {})),
+            cpu_gflops=dict(figures.get(MATMUL, {})),
+            sources=dict(sources or {}),
         )
 
 
 # -- measuring ------------------------------------------------------------------------------------
+# Each figure is the best of its repeats, after one warm-up call; the spread of the repeats
+# (calibration.spread) says whether the machine was busy meanwhile.
+
+
+def _repeat(call: Any, rounds: int) -> list[float]:
+    """The seconds of ``rounds`` calls of ``call``, after one more as a warm-up."""
+    call()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        call()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def host_read_rates(nbytes: int = 512 << 20, rounds: int = 5) -> list[float]:
+    """The host's read bandwidth of each repeat, GB/s: a sum over a buffer far larger than the
+    caches."""
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    return [nbytes / s / 1e9 for s in _repeat(x.sum, rounds)]
 
 
 def host_read_gbs(nbytes: int = 512 << 20, rounds: int = 5) -> float:
-    """The host's read bandwidth: a sum over a buffer far larger than the caches, best of
-    ``rounds``."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = 0.0
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        x.sum()
-        best = max(best, nbytes / (time.perf_counter() - t0) / 1e9)
-    return best
+    """The host's read bandwidth, best of ``rounds`` (:func:`host_read_rates`)."""
+    return max(host_read_rates(nbytes, rounds))
+
+
+def cpu_matmul_rates(dtype: torch.dtype, rows: int, d: int = 4096, rounds: int = 5) -> list[float]:
+    """The CPU's ``F.linear`` rate over ``rows`` rows of a ``d x d`` weight, each repeat, GFLOP/s."""
+    w = torch.randn(d, d).to(dtype)
+    x = torch.randn(rows, d).to(dtype)
+    return [2.0 * rows * d * d / s / 1e9 for s in _repeat(lambda: torch.nn.functional.linear(x, w), rounds)]
 
 
 def cpu_matmul_gflops(dtype: torch.dtype, rows: int, d: int = 4096, rounds: int = 5) -> float:
-    """The CPU's ``F.linear`` rate over ``rows`` rows of a ``d x d`` weight, best of ``rounds``."""
-    w = torch.randn(d, d).to(dtype)
-    x = torch.randn(rows, d).to(dtype)
-    torch.nn.functional.linear(x, w)  # warm-up
-    best = 0.0
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        torch.nn.functional.linear(x, w)
-        best = max(best, 2.0 * rows * d * d / (time.perf_counter() - t0) / 1e9)
-    return best
+    """The CPU's ``F.linear`` rate, best of ``rounds`` (:func:`cpu_matmul_rates`)."""
+    return max(cpu_matmul_rates(dtype, rows, d, rounds))
 
 
-def disk_read_gbs(nvme_dir: str, nbytes: int = 1 << 30) -> float:
-    """The ``O_DIRECT`` read rate of the disk under ``nvme_dir`` through the I/O engine (a file of
-    ``nbytes`` written, read back in one request, removed)."""
-    from .pages import PageStore
+def disk_read_rates(nvme_dir: str, nbytes: int = 1 << 30, rounds: int = 3) -> list[float]:
+    """The ``O_DIRECT`` read rate of the disk under ``nvme_dir`` through the I/O engine, each
+    repeat, GB/s (a file of ``nbytes`` written, read back in one request ``rounds`` times, removed)."""
+    from .pages import PageStore, aligned_empty
     from .pinned import align_up
 
     store = PageStore(nvme_dir)
     try:
         n = align_up(nbytes, 1 << 20)
         f = store.open("calibrate.bin", n, "calibrate")
-        from .pages import aligned_empty
-
         buf = aligned_empty(n, torch.uint8)
         buf.fill_(1)
         f.write(0, buf, "the calibration file").wait()
-        t0 = time.perf_counter()
-        f.read(0, buf, "the calibration file").wait()
-        return n / (time.perf_counter() - t0) / 1e9
+        out = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            f.read(0, buf, "the calibration file").wait()
+            out.append(n / (time.perf_counter() - t0) / 1e9)
+        return out
     finally:
         store.close()
 
 
-def pcie_h2d_gbs(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5) -> float:
-    """Pinned host-to-device bandwidth on a CUDA ``device``, best of ``rounds``."""
+def disk_read_gbs(nvme_dir: str, nbytes: int = 1 << 30) -> float:
+    """The ``O_DIRECT`` read rate of the disk under ``nvme_dir``, best of 3 (:func:`disk_read_rates`)."""
+    return max(disk_read_rates(nvme_dir, nbytes))
+
+
+def pcie_h2d_rates(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5) -> list[float]:
+    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    best = 0.0
+    dst.copy_(src, non_blocking=True)  # warm-up
+    out = []
     for _ in range(rounds):
         e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         e0.record()
         dst.copy_(src, non_blocking=True)
         e1.record()
         e1.synchronize()
-        best = max(best, nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
-    return best
-
-
-def measure(*, nvme_dir: str | None = None, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32), quick: bool = False) -> dict[str, Any]:
-    """This machine's figures (see the module documentation); ``quick``: smaller buffers."""
-    out: dict[str, Any] = {"host_read_gbs": host_read_gbs(128 << 20 if quick else 512 << 20)}
-    d = 2048 if quick else 4096
-    out["cpu_matmul_gflops"] = {
-        str(dt).removeprefix("torch."): {str(r): cpu_matmul_gflops(dt, r, d) for r in (1, 64)} for dt in dtypes
-    }
-    if nvme_dir is not None:
-        out["disk_read_gbs"] = disk_read_gbs(nvme_dir, (256 << 20) if quick else (1 << 30))
-    if torch.cuda.is_available():
-        out["pcie_h2d_gbs"] = pcie_h2d_gbs(torch.device("cuda", torch.cuda.current_device()))
+        out.append(nbytes / (e0.elapsed_time(e1) / 1e3) / 1e9)
     return out
 
 
-def store(figures: dict[str, Any]) -> str:
-    """Merges ``figures`` into the calibration file; its path."""
-    path = calibration.path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = calibration.load() if path.exists() else {}
-    data.update(figures)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return str(path)
+def pcie_h2d_gbs(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5) -> float:
+    """Pinned host-to-device bandwidth on a CUDA ``device``, best of ``rounds``."""
+    return max(pcie_h2d_rates(device, nbytes, rounds))
+
+
+def measure(
+    *, nvme_dir: str | None = None, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32), quick: bool = False,
+    by: str = "python -m offload_adam calibrate", rounds: int = 5,
+) -> calibration.Measurement:  # fmt: skip
+    """This machine's figures (see the module documentation), each the best of ``rounds``
+    repeats, with when, on which CPU and under what load they were measured (the 1-minute load
+    average as it began: ``os.getloadavg``); ``quick``: smaller buffers; ``by``: who measured."""
+    from .. import __version__
+
+    load = os.getloadavg()[0]
+    spreads: list[float] = []
+
+    def best(rates: list[float]) -> float:
+        spreads.append(calibration.spread(rates))
+        return max(rates)
+
+    out: dict[str, Any] = {"host_read_gbs": best(host_read_rates(128 << 20 if quick else 512 << 20, rounds))}
+    d = 2048 if quick else 4096
+    out[MATMUL] = {
+        str(dt).removeprefix("torch."): {str(r): best(cpu_matmul_rates(dt, r, d, rounds)) for r in (1, 64)} for dt in dtypes
+    }
+    if nvme_dir is not None:
+        out["disk_read_gbs"] = best(disk_read_rates(nvme_dir, (256 << 20) if quick else (1 << 30)))
+    if torch.cuda.is_available():
+        out["pcie_h2d_gbs"] = best(pcie_h2d_rates(torch.device("cuda", torch.cuda.current_device()), rounds=rounds))
+    return calibration.Measurement(
+        figures=out, time=calibration.now(), cpu=calibration.cpu_model(), cores=os.cpu_count() or 1, load_avg=load,
+        spread=max(spreads), repeats=rounds, by=by, version=__version__,
+    )  # fmt: skip
+
+
+# Figures measured by this process that were not stored (under load): measured once per process.
+_UNSTORED: dict[str, dict[str, Any]] = {}
 
 
 def cached_model(dtype: torch.dtype) -> CostModel:
-    """The cost model from the calibration file, measuring (quickly) and storing what it lacks
-    for ``dtype``: the first ``placement="auto"`` of a machine takes a second or two."""
-    figs = calibration.load()
+    """The cost model of ``placement="auto"``: this CPU's calibrated figures, and what they lack
+    for ``dtype`` measured now (quickly: the first ``auto`` of a machine takes a second or two)
+    and stored, saying so (logger ``offload_adam``, WARNING) and where; a measurement under load
+    is used for this process only, and said so too. The model's ``sources`` say where each
+    figure came from."""
+    cal = calibration.read()
     name = str(dtype).removeprefix("torch.")
-    if "host_read_gbs" not in figs or name not in figs.get("cpu_matmul_gflops", {}):
-        new = measure(dtypes=(dtype,), quick=True)
-        rates = dict(figs.get("cpu_matmul_gflops", {}))
-        rates.update(new["cpu_matmul_gflops"])
-        new["cpu_matmul_gflops"] = rates
-        try:
-            store(new)
-        except OSError:
-            pass  # a read-only home: measured again next time
-        figs = {**figs, **new}
-    return CostModel.from_calibration(figs)
+    figs = dict(cal.figures)
+    sources = {k: f"calibration {cal.where}, {m.describe()}" for k, m in cal.source.items()}
+    if "host_read_gbs" not in figs or name not in figs.get(MATMUL, {}):
+        new = _UNSTORED.get(name)
+        if new is None:
+            m = measure(dtypes=(dtype,), quick=True, by="placement='auto'")
+            try:
+                where = calibration.store(m)
+            except calibration.Unsettled as e:
+                log.warning("offload_adam: placement='auto' measured this machine (%s) for this process only: %s", m.describe(), e)
+                said = f"measured now, not stored: {calibration.unsettled(m)}"
+            except OSError as e:  # a read-only home: measured again next time
+                log.warning("offload_adam: placement='auto' measured this machine (%s); it could not be stored: %s", m.describe(), e)
+                said = f"measured now, not stored: {e}"
+            else:
+                log.warning("offload_adam: placement='auto' measured this machine (%s) and stored it in %s", m.describe(), where)
+                said = f"calibration {where}, {m.describe()}"
+            new = {"figures": m.figures, "said": said}
+            if not said.startswith("calibration"):
+                _UNSTORED[name] = new
+        figs["host_read_gbs"] = new["figures"]["host_read_gbs"]
+        figs[MATMUL] = {**figs.get(MATMUL, {}), **new["figures"][MATMUL]}
+        sources["host_read_gbs"] = sources[f"{MATMUL}[{name}]"] = new["said"]
+    return CostModel.from_calibration(figs, sources)

@@ -151,6 +151,22 @@ class Pager:
         self._limit_window()
         return list(range(first, first + len(pages)))
 
+    def mark(self) -> tuple[int, int, int, int]:
+        """Where the set-up stands (families, pages, host budget used, files): what
+        :meth:`rollback` goes back to."""
+        return len(self.families), len(self.pages), self.used_budget, len(self.store.files)
+
+    def rollback(self, mark: tuple[int, int, int, int]) -> None:
+        """Forgets the families and pages added since ``mark`` (a set-up that failed; none of
+        them was paged yet) and closes and removes their files."""
+        families, pages, used, files = mark
+        del self.families[families:]
+        del self.pages[pages:]
+        self.used_budget = used
+        for f in self.store.files[files:]:
+            self.store.remove(f)
+        self._limit_window()
+
     def _limit_window(self) -> None:
         """The window parks no more than the paging's window holds (``window_bytes``): what a
         checkpoint made resident beyond it goes back to the OS afterwards."""

@@ -2,9 +2,12 @@
 the weights, the activations), through one set of rules.
 
 A :class:`PageStore` is one run directory (:class:`RunDir`, ``offload-adam-run-<host>-<pid>-<random>``
-under a user's ``nvme_dir``: locked while it lives, the free-space check, removal at ``close()``,
-garbage collection and interpreter exit; a directory left by a killed run is reported and never
-reused: :func:`stale_runs`, :func:`remove_stale_runs`) and
+under a user's ``nvme_dir``, 0700: locked while it lives through its ``LOCK`` (0600, beginning with
+``MARKER``: what makes a directory one of ours), the free-space check; at ``close()``, garbage
+collection and interpreter exit its I/O engine is closed (every descriptor) and the directory
+removed, and a failed set-up removes what it made; a directory left by a killed run is reported
+and never reused: :func:`stale_runs`, :func:`remove_stale_runs`, which follow no symlink inside
+``nvme_dir``, create nothing, and skip with a debug line what they cannot open, read or lock) and
 the I/O engine of its files (io_uring or a thread pool, ``O_DIRECT``), with one :class:`IoStats`.
 Its files (:class:`PageFile`) are written and read in ranges whose offsets, lengths and buffers
 sit on 4 KiB (``ALIGN``). Each range written gets a CRC-32C, computed on the store's pool of two
@@ -28,6 +31,7 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import time
 import uuid
 import weakref
@@ -47,6 +51,7 @@ log = logging.getLogger("offload_adam")
 ALIGN = 4096  # bytes: O_DIRECT alignment of buffers, lengths and file offsets
 RUN_PREFIX = "offload-adam-run-"
 LOCK = "LOCK"
+MARKER = b"offload_adam run directory\n"  # how a run's LOCK begins: what makes a directory one of ours
 
 
 def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
@@ -61,21 +66,72 @@ def aligned_empty(n: int, dtype: torch.dtype) -> Tensor:
 # -- run directories ------------------------------------------------------------------------------
 
 
-def _lock(path: str) -> Any:
-    """An exclusive lock on ``path`` (kept while the returned file is open), or None if another
-    process holds it."""
-    f = open(path, "a+")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_LOCK_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+
+
+def _skip(path: str, why: str) -> None:
+    log.debug("offload_adam: %s skipped by the scan for killed runs: %s", path, why)
+
+
+def _lock_run(path: str) -> tuple[int, tuple[int, int]] | None:
+    """Locks the run directory ``path``: its LOCK's descriptor (the lock kept while it is open)
+    and the directory's ``(st_dev, st_ino)``. None if another process holds the lock (a live
+    run), or if ``path`` is not a run directory of this user that the scan can lock (skipped
+    with a debug line): a symlink, not a directory, another user's, unreadable, its LOCK
+    missing, a symlink, not a regular file, without the package's marker, or not lockable.
+    Nothing is followed and nothing is created."""
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.close()
+        dfd = os.open(path, _DIR_FLAGS)
+    except OSError as e:
+        _skip(path, f"cannot be opened as a directory without following a symlink ({e.strerror})")
         return None
-    return f
+    try:
+        st = os.fstat(dfd)
+        if st.st_uid != os.geteuid():
+            _skip(path, f"owned by another user (uid {st.st_uid})")
+            return None
+        try:
+            fd = os.open(LOCK, _LOCK_FLAGS, dir_fd=dfd)
+        except OSError as e:
+            _skip(path, f"its {LOCK} cannot be opened without following a symlink ({e.strerror})")
+            return None
+    finally:
+        os.close(dfd)
+    why = None
+    try:
+        lst = os.fstat(fd)
+        if not stat.S_ISREG(lst.st_mode):
+            why = f"its {LOCK} is not a regular file"
+        elif lst.st_uid != os.geteuid():
+            why = f"its {LOCK} belongs to another user (uid {lst.st_uid})"
+        elif os.pread(fd, len(MARKER), 0) != MARKER:
+            why = f"not a run directory of offload_adam (no marker in its {LOCK})"
+        else:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd, (st.st_dev, st.st_ino)
+            except BlockingIOError:
+                pass  # a live run
+            except OSError as e:
+                why = f"its {LOCK} cannot be locked ({e.strerror})"
+    except OSError as e:
+        why = f"its {LOCK} cannot be read ({e.strerror})"
+    except BaseException:
+        os.close(fd)
+        raise
+    if why is not None:
+        _skip(path, why)
+    os.close(fd)
+    return None
 
 
 def stale_runs(nvme_dir: str) -> list[str]:
     """Run directories under ``nvme_dir`` whose process is gone (killed before it could clean
-    up): nobody holds their lock.
+    up): nobody holds their lock. Only directories this user's runs made count (their ``LOCK``
+    begins with the package's marker); the scan follows no symlink, creates nothing, and skips
+    with a debug line whatever it cannot open, read or lock (another user's run, a ``LOCK``
+    that is not a regular file, anything else named ``offload-adam-run-*``).
 
     Args:
         nvme_dir: the directory given to ``AdamW(storage="nvme", nvme_dir=...)``,
@@ -87,41 +143,55 @@ def stale_runs(nvme_dir: str) -> list[str]:
     except FileNotFoundError:
         return []
     for name in names:
-        path = os.path.join(nvme_dir, name)
-        if not name.startswith(RUN_PREFIX) or not os.path.isdir(path):
+        if not name.startswith(RUN_PREFIX):
             continue
-        f = _lock(os.path.join(path, LOCK))
-        if f is not None:
-            f.close()
+        path = os.path.join(nvme_dir, name)
+        held = _lock_run(path)
+        if held is not None:
+            os.close(held[0])
             out.append(path)
     return out
 
 
 def remove_stale_runs(nvme_dir: str) -> list[str]:
     """Removes the run directories left under ``nvme_dir`` by killed runs (see ``stale_runs``);
-    live runs are never touched. Returns the paths removed.
+    live runs, other users' and anything the package did not make are never touched. Returns
+    the paths removed (a directory that could not be removed entirely is not among them: a
+    warning says what was left).
 
     Args:
         nvme_dir: the directory the runs were made under.
     """
     removed = []
     for path in stale_runs(nvme_dir):
-        f = _lock(os.path.join(path, LOCK))
-        if f is None:  # taken since
+        held = _lock_run(path)
+        if held is None:  # taken since
             continue
+        fd, ident = held
         try:
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) != ident or not stat.S_ISDIR(st.st_mode):
+                _skip(path, "replaced since it was locked")
+                continue
+            shutil.rmtree(path, ignore_errors=True)  # (never follows a symlink inside it)
+            if os.path.lexists(path):
+                log.warning("offload_adam: %s could not be removed entirely", path)
+            else:
+                removed.append(path)
         finally:
-            f.close()
+            os.close(fd)
     return removed
 
 
-def _cleanup(path: str, lock: Any, io: Any) -> None:
-    del io  # its files are closed when the last reference goes
+def _cleanup(path: str, lock: int, io: Any) -> None:
+    if io is not None:
+        io.close()  # its files' descriptors (and its threads): their space is given back as they go
     shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(Exception):
-        lock.close()
+        os.close(lock)
 
 
 class RunDir:
@@ -145,10 +215,16 @@ class RunDir:
         name = f"{RUN_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.path = os.path.join(nvme_dir, name)
         os.mkdir(self.path, 0o700)
-        lock = _lock(os.path.join(self.path, LOCK))
-        if lock is None:  # pragma: no cover - a fresh unique directory
-            raise RuntimeError(f"{self.path}: locked by another process")
-        self.io = _native.IoEngine(io)
+        lock = -1
+        try:
+            # 0600 whatever the umask, never through a symlink (O_EXCL refuses one too).
+            lock = os.open(os.path.join(self.path, LOCK), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            os.write(lock, MARKER + f"{socket.gethostname()} {os.getpid()}\n".encode())
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a fresh directory: nobody else holds it
+            self.io = _native.IoEngine(io)
+        except BaseException:
+            _cleanup(self.path, lock, None)  # a failed set-up leaves nothing behind
+            raise
         self._finalizer = weakref.finalize(self, _cleanup, self.path, lock, self.io)
 
     def check_space(self, need: int, what: str) -> None:
@@ -158,16 +234,24 @@ class RunDir:
             raise OSError(errno.ENOSPC, f"offload_adam: {what} needs {need} bytes under {self.nvme_dir}, which has {free} free")
 
     def open(self, name: str, size: int) -> tuple[int, str]:
-        """Creates file ``name`` of ``size`` bytes (allocated); its number and path."""
+        """Creates file ``name`` of ``size`` bytes (allocated); its number and path. If it cannot
+        be allocated (a full disk), the file is removed and the error raised."""
         path = os.path.join(self.path, name)
-        return self.io.open(path, size), path
+        try:
+            return self.io.open(path, size), path
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            raise
 
     @property
     def alive(self) -> bool:
         return self._finalizer.alive
 
     def close(self) -> None:
-        """Removes the directory and its files (the caller has waited for its transfers)."""
+        """Closes the I/O engine (every descriptor of the run's files: their space is given back
+        now, not when the engine is garbage-collected) and removes the directory and its files
+        (the caller has waited for its transfers). Using the engine afterwards is an error."""
         self._finalizer()
 
 
@@ -219,6 +303,7 @@ class Transfer:
         self.label = label
         self._future = future
         self._finished = False
+        self._error: OSError | None = None
 
     def done(self) -> bool:
         """Completed (checked, for a read); never waits."""
@@ -226,8 +311,11 @@ class Transfer:
 
     def wait(self) -> None:
         """Blocks until the transfer has completed; raises naming the file and the range's
-        contents on an I/O error or (a read) a checksum mismatch."""
+        contents on an I/O error or (a read) a checksum mismatch, and raises the same error again
+        at every later call (a failed transfer never reads as done)."""
         if self._finished:
+            if self._error is not None:
+                raise OSError(self._error.errno, self._error.strerror)
             return
         f = self.file
         t0 = time.perf_counter()
@@ -236,14 +324,16 @@ class Transfer:
         except OSError as e:
             verb = "reading" if self.kind == "read" else "writing"
             prep = "from" if self.kind == "read" else "to"
-            raise OSError(e.errno, f"offload_adam: {verb} {self.label} {prep} {f.path}: {e.strerror}") from None
+            self._error = OSError(e.errno, f"offload_adam: {verb} {self.label} {prep} {f.path}: {e.strerror}")
+            raise OSError(e.errno, self._error.strerror) from None
         finally:
             f.store.stats.io_wait_s += time.perf_counter() - t0
             self._finished = True
         if self.kind == "write":
             f.crc[self.offset] = (self.nbytes, int(result))
         elif not result:
-            raise OSError(errno.EIO, f"offload_adam: {f.path}: {self.label} is corrupted (checksum mismatch){f.corrupt_hint}")
+            self._error = OSError(errno.EIO, f"offload_adam: {f.path}: {self.label} is corrupted (checksum mismatch){f.corrupt_hint}")
+            raise OSError(errno.EIO, self._error.strerror)
 
 
 class PageFile:
@@ -349,12 +439,20 @@ class PageStore:
     def check_space(self, need: int, what: str) -> None:
         self.run.check_space(need, what)
 
+    def remove(self, f: PageFile) -> None:
+        """Closes and removes file ``f`` (its transfers waited for): a set-up that failed after
+        opening it."""
+        self.io.close_file(f.fid)
+        with contextlib.suppress(OSError):
+            os.unlink(f.path)
+        self.files.remove(f)
+
     def page_cache_bytes(self) -> int:
         """Bytes of this store's files in the OS page cache (``O_DIRECT`` keeps it near 0)."""
         return sum(page_cache_bytes(f.path) for f in self.files if os.path.exists(f.path))
 
     def close(self) -> None:
-        """Waits for the transfers in flight, then removes the directory and its files."""
+        """Waits for the transfers in flight, then closes the files and removes the directory."""
         self._pool.shutdown(wait=True)
         self.run.close()
 

@@ -58,16 +58,6 @@ def _kernel() -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
 def report() -> list[tuple[str, str]]:
     """The lines of the report, as (what, value)."""
     import torch
@@ -81,7 +71,7 @@ def report() -> list[tuple[str, str]]:
     rows.append(("python", f"{platform.python_version()} ({sys.executable})"))
     rows.append(("system", f"{platform.system()} {platform.release()} {platform.machine()}, glibc {platform.libc_ver()[1] or '?'}"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    rows.append(("CPU", f"{_cpu_model()}; {cores} cores for this process; torch threads {torch.get_num_threads()}"))
+    rows.append(("CPU", f"{calibration.cpu_model()}; {cores} cores for this process; torch threads {torch.get_num_threads()}"))
     forced = os.environ.get("OFFLOAD_ADAM_SIMD")
     rows.append(("SIMD path", f"{_native.simd_path()} (this CPU runs: {', '.join(_native.simd_paths())})" + (f"; forced by OFFLOAD_ADAM_SIMD={forced}" if forced else "")))
     try:
@@ -122,8 +112,12 @@ def report() -> list[tuple[str, str]]:
         except RuntimeError as e:
             rows.append(("pinning test", f"64 MiB could not be pinned: {e}"))
     try:
-        cal = calibration.load()
-        rows.append(("calibration", f"{calibration.path()}: " + (", ".join(sorted(cal)) if cal else "none")))
+        measured = calibration.measurements()
+        rows.append((
+            "calibration",
+            f"{calibration.path()}: "
+            + ("; ".join(f"{', '.join(sorted(m.figures))} {m.describe()}" for m in measured) if measured else "none"),
+        ))  # fmt: skip
     except ValueError as e:
         rows.append(("calibration", str(e)))
     found = []

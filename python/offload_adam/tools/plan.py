@@ -20,8 +20,10 @@ Time: a step is the forward and backward, then the optimizer step. In the first,
 compute (6 FLOPs per parameter and token, from ``--tokens-per-step`` and ``--gpu-tflops``) and
 the PCIe transfers overlap; in the second, the CPU step, the SSD's reads and writes and the
 copy-back overlap. Each phase takes its largest term, so the estimate is a lower bound. The
-bandwidths come from the flags, else from the calibration file
-(:mod:`offload_adam.runtime.calibration`), else from the stated defaults.
+bandwidths come from the flags, else from the stated defaults: the plan is for the machine the
+flags describe, not this one. With ``--this-machine`` a figure no flag gives comes from this
+machine's calibration (:mod:`offload_adam.runtime.calibration`, measured by ``python -m
+offload_adam calibrate``) before the default. The output says where each figure came from.
 
 Activations are not counted: they depend on batch, sequence length and checkpointing, and come
 on top of every GPU figure.
@@ -48,7 +50,7 @@ from ..weights.offload import choose_resident, own_slot_blocks, ring_bytes
 GB = 1 << 30  # memory: GiB
 G = 1e9  # bandwidth: GB/s
 
-# The bandwidths' defaults, where neither a flag nor the calibration file gives one: (GB/s, why).
+# The bandwidths' defaults, where neither a flag nor (--this-machine) the calibration gives one: (GB/s, why).
 DEFAULT_RATES = {
     "pcie": (25.0, "PCIe 4.0 x16 in practice; x8 or x4 slots give half or a quarter"),
     "disk": (3.0, "a consumer NVMe SSD, reads and writes alike"),
@@ -83,12 +85,14 @@ class Config:
 
 @dataclass
 class Rates:
-    """Bandwidths in GB/s, and where each came from."""
+    """Bandwidths in GB/s, and where each came from; ``cal``: this machine's calibration where
+    ``--this-machine`` asked for it (None: not read)."""
 
     pcie: float
     disk: float
     host: float
     source: dict[str, str] = field(default_factory=dict)
+    cal: calibration.Calibration | None = None
 
 
 @dataclass
@@ -263,21 +267,28 @@ def configurations(
     ]  # fmt: skip
 
 
-def rates(pcie: float | None = None, disk: float | None = None, host: float | None = None) -> Rates:
-    """The bandwidths: a flag's value, else the calibration file's, else the default."""
-    cal = calibration.load()
-    out = Rates(0.0, 0.0, 0.0)
+def rates(pcie: float | None = None, disk: float | None = None, host: float | None = None, *, this_machine: bool = False) -> Rates:
+    """The bandwidths: a flag's value, else (``this_machine``) this machine's calibration, else
+    the default. Without ``this_machine`` the calibration file is not read."""
+    cal = calibration.read() if this_machine else None
+    out = Rates(0.0, 0.0, 0.0, cal=cal)
     for what, flag, key in (("pcie", pcie, "pcie_h2d_gbs"), ("disk", disk, "disk_read_gbs"), ("host", host, "host_read_gbs")):
+        got = cal.rate(key) if cal is not None else None
         if flag is not None:
             value, src = flag, f"--{what}-gbs"
-        elif key in cal:
-            value, src = cal[key], f"calibration: {calibration.path()}"
+        elif got is not None:
+            value, src = got[0], f"this machine's calibration, {_when(got[1])}"
         else:
             value, why = DEFAULT_RATES[what]
             src = f"default: {why}"
         setattr(out, what, float(value))
         out.source[what] = src
     return out
+
+
+def _when(m: calibration.Measurement) -> str:
+    """A measurement's time, as the figures' sources name it (the whole record is printed once)."""
+    return f"measured {m.when()}"
 
 
 def timing(c: Config, r: Rates, *, params: float, world: int, tokens: float | None, tflops: float | None) -> Timing:
@@ -513,7 +524,7 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     if weights + args.reserve_gb * GB <= args.gpu_gb * GB:
         print(f"\nThe model fits on the GPU whole ({weights / GB:.1f} GiB): model.cuda(), no offload needed.")
         return
-    gemv = cpu_gemv_gflops(args.dtype)
+    gemv = cpu_gemv_gflops(args.dtype, r)
     # FLOPs per byte of the weights: a 1-row matmul does 2 per parameter. int8 and fp8 weights run
     # the native kernel (weights.hostmatmul), which reads them at the memory's rate: no matmul bound.
     flops_per_byte = 0.0 if args.weight_dtype in ("int8", "fp8") else 2 / bpp
@@ -531,7 +542,7 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     )
     print(
         "placement=\"cpu\" runs the non-resident blocks on the CPU from RAM instead: tokens/s is at most the host's read "
-        f"bandwidth over their bytes{_cpu_bound_words(args, gemv)}{_quantized_cpu_words(args)}; placement=\"auto\" takes the "
+        f"bandwidth over their bytes{_cpu_bound_words(args, gemv, r)}{_quantized_cpu_words(args)}; placement=\"auto\" takes the "
         "better per call (a prompt streams)."
     )
     budgets: list[float | None] = [None] + sorted({round(f * usable / GB, 1) for f in (0.25, 0.5, 0.75)} | {math.floor(usable / GB * 10) / 10})
@@ -611,15 +622,20 @@ def _quantize_kw(args: argparse.Namespace) -> str:
     return f", quantize={config}()" if config else ""
 
 
-def cpu_gemv_gflops(dtype: str) -> float:
-    """The CPU's matmul rate at one row for ``dtype``: the calibration's, else the cost model's default."""
+def cpu_gemv_gflops(dtype: str, r: Rates | None = None) -> float:
+    """The CPU's matmul rate at one row for ``dtype``: this machine's calibration where ``r``
+    read it (``--this-machine``), else the cost model's default."""
     from ..runtime import costs
 
-    return float(calibration.load().get("cpu_matmul_gflops", {}).get(dtype, {}).get("1", costs.DEFAULT_CPU_GFLOPS["1"]))
+    got = r.cal.matmul(dtype) if r is not None and r.cal is not None else None
+    return float(got[0].get("1", costs.DEFAULT_CPU_GFLOPS["1"]) if got is not None else costs.DEFAULT_CPU_GFLOPS["1"])
 
 
-def _gemv_source(dtype: str) -> str:
-    return "calibration" if dtype in calibration.load().get("cpu_matmul_gflops", {}) else "default: run python -m offload_adam calibrate"
+def _gemv_source(dtype: str, r: Rates) -> str:
+    got = r.cal.matmul(dtype) if r.cal is not None else None
+    if got is not None:
+        return f"this machine's calibration, {_when(got[1])}"
+    return "default: --this-machine takes this machine's, measured by python -m offload_adam calibrate"
 
 
 def _cpu_rate(read_bps: float, gemv: float, flops_per_byte: float, nbytes: float) -> float:
@@ -631,9 +647,9 @@ def _cpu_rate(read_bps: float, gemv: float, flops_per_byte: float, nbytes: float
     return min(by_memory, gemv * 1e9 / (flops_per_byte * nbytes)) if flops_per_byte else by_memory
 
 
-def _cpu_bound_words(args: argparse.Namespace, gemv: float) -> str:
+def _cpu_bound_words(args: argparse.Namespace, gemv: float, r: Rates) -> str:
     """What bounds the CPU's decode besides the host's read bandwidth, in words."""
-    rate = f", and the CPU's 1-row matmul rate ({gemv:g} GFLOP/s, {_gemv_source(args.dtype)}) over 2 FLOPs per parameter"
+    rate = f", and the CPU's 1-row matmul rate ({gemv:g} GFLOP/s, {_gemv_source(args.dtype, r)}) over 2 FLOPs per parameter"
     return rate if args.weight_dtype in (None, "int4") else ""
 
 
@@ -672,10 +688,23 @@ def cpu_only(args: argparse.Namespace, r: Rates, weights: float, flops_per_byte:
 
 
 def _print_rates(r: Rates, args: argparse.Namespace) -> None:
+    if r.cal is None:
+        print("figures: the flags, else stated defaults (this machine's calibration only with --this-machine)")
+    else:
+        print(f"figures: the flags, else this machine's calibration ({r.cal.where}), else stated defaults")
+        used = {id(m): m for m in r.cal.source.values()}
+        for m in used.values():
+            print(f"  calibration: {m.describe()}")
+        if not used:
+            print(f"  calibration: none of this CPU ({calibration.cpu_model()}) in {r.cal.where}")
+        for m in r.cal.other:
+            print(f"  not used, another CPU's: {m.describe()}")
     print(f"bandwidths: PCIe {r.pcie:g} GB/s ({r.source['pcie']})")
     print(f"            SSD {r.disk:g} GB/s ({r.source['disk']})")
     if not args.inference:
         print(f"            CPU step {r.host:g} GB/s of host memory ({r.source['host']})")
+    else:
+        print(f"            host read {r.host:g} GB/s, the CPU's decode from RAM ({r.source['host']})")
     if not args.inference and (args.tokens_per_step is None or args.gpu_tflops is None):
         print("GPU compute not counted: give --tokens-per-step and --gpu-tflops")
 
@@ -688,10 +717,11 @@ EPILOG = """examples:
   generate with a 13B model on the same machine:
     python -m offload_adam plan --inference --params 13B --gpu-gb 24 --host-gb 64 --nvme-gb 1000
 
-Memory figures are GiB; bandwidths GB/s. Measured bandwidths are read from calibration.json (keys
-pcie_h2d_gbs, disk_read_gbs, host_read_gbs) in $OFFLOAD_ADAM_CACHE_DIR, else in
-$XDG_CACHE_HOME/offload_adam, else in ~/.cache/offload_adam; a flag overrides them, and the output
-says where each figure came from. Activations are not counted."""
+Memory figures are GiB; bandwidths GB/s. The figures are the flags, else stated defaults: the plan
+is for the machine the flags describe. --this-machine takes what no flag gives from this machine's
+calibration (python -m offload_adam calibrate stores it in calibration-<uid>.json in
+$OFFLOAD_ADAM_CACHE_DIR, else in $XDG_CACHE_HOME/offload_adam, else in ~/.cache/offload_adam). The
+output says where each figure came from. Activations are not counted."""
 
 
 def parser() -> argparse.ArgumentParser:
@@ -711,6 +741,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--host-gb", type=float, required=True, help="host memory per rank, GiB (required)")
     ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (default: 0, none)")
     ap.add_argument("--inference", action="store_true", help="generation instead of training: tokens/s per GPU budget")
+    ap.add_argument(
+        "--this-machine", action="store_true",
+        help="take the figures no flag gives from this machine's calibration (python -m offload_adam calibrate) before "
+        "the stated defaults (default: not read: the plan is for the machine the flags describe)",
+    )  # fmt: skip
     t = ap.add_argument_group("training")
     t.add_argument("--world-size", type=int, default=1, help="ranks (GPUs), each with the memory above (default: 1)")
     t.add_argument(
@@ -727,12 +762,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--tensor-params", type=int, default=50_000_000, help="elements per tensor of the model (default: 50000000)")
     t.add_argument("--tokens-per-step", type=parse_count, default=None, metavar="N", help="tokens per optimizer step, all ranks (with --gpu-tflops: the GPU's compute)")
     t.add_argument("--gpu-tflops", type=_positive, default=None, help="TFLOP/s one GPU achieves on the model (not its peak)")
-    t.add_argument("--host-gbs", type=_positive, default=None, help="GB/s of host memory the CPU step reads and writes (default: calibration, else 35)")
+    t.add_argument("--host-gbs", type=_positive, default=None, help="GB/s of host memory the CPU step reads and writes (default: 35; --this-machine: the calibration's first)")
     w = ap.add_argument_group("both")
     w.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring (default: 40)")
     w.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers (default: 2)")
-    w.add_argument("--pcie-gbs", type=_positive, default=None, help="host-to-device GB/s (default: calibration, else 25)")
-    w.add_argument("--disk-gbs", type=_positive, default=None, help="SSD GB/s, reads and writes (default: calibration, else 3)")
+    w.add_argument("--pcie-gbs", type=_positive, default=None, help="host-to-device GB/s (default: 25; --this-machine: the calibration's first)")
+    w.add_argument("--disk-gbs", type=_positive, default=None, help="SSD GB/s, reads and writes (default: 3; --this-machine: the calibration's first)")
     i = ap.add_argument_group("inference")
     i.add_argument(
         "--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -764,7 +799,7 @@ def main(argv: list[str] | None = None) -> int:
     if (args.tokens_per_step is None) != (args.gpu_tflops is None):
         ap.error("--tokens-per-step and --gpu-tflops go together (the GPU's compute needs both)")
     try:
-        r = rates(args.pcie_gbs, args.disk_gbs, args.host_gbs)
+        r = rates(args.pcie_gbs, args.disk_gbs, args.host_gbs, this_machine=args.this_machine)
     except ValueError as e:
         ap.error(str(e))
     if args.inference:

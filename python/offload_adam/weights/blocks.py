@@ -22,6 +22,7 @@ the parameter and its type.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -150,16 +151,21 @@ class Entry:
         for q, t in zip(self.parts, parts):
             setattr(self.param, q.attr, t)  # type: ignore[arg-type]
 
-    def attach(self, parts: list[Tensor]) -> None:
+    def attach(self, parts: list[Tensor]) -> Callable[[], None]:
         """:meth:`bind`, where a parameter cannot take new data: one on the meta device
         (``init_empty_weights``), or a wrapped one moving to another device (the device it
         reports is fixed at its construction). Its contents are then swapped for a parameter
-        over ``parts``: the object stays, and with it every module holding it and every tie."""
+        over ``parts``: the object stays, and with it every module holding it and every tie.
+        Returns what puts the parameter back as it was (it holds its former tensors: dropped,
+        they go)."""
         p = self.param
         if p.device.type == "meta" or (self.wrapped and p.device != parts[0].device):
-            swap(p, self.rebuild(parts))
-        else:
-            self.bind(parts)
+            new = self.rebuild(parts)
+            swap(p, new)  # (`new` holds what `p` was)
+            return lambda: swap(p, new)
+        old = self.tensors()
+        self.bind(parts)
+        return lambda: self.bind(old)
 
     def rebuild(self, parts: list[Tensor]) -> torch.nn.Parameter:
         """A new parameter of its type over ``parts`` (a wrapped one: the device it reports is

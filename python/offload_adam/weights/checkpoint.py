@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.safetensors import Entry as TensorEntry
-from ..runtime.safetensors import Reader
+from ..runtime.safetensors import Reader, json_kind
 from .blocks import Block
 
 INDEX = "model.safetensors.index.json"
@@ -34,19 +34,58 @@ class Located:
     base: int  # where the file's data section starts
 
 
+def checkpoint_path(checkpoint: Any) -> str:
+    """``checkpoint=`` as a path, or a TypeError naming the argument."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        path = os.fspath(checkpoint)
+        if isinstance(path, str):
+            return path
+    raise TypeError(
+        f"checkpoint must be a path (str or os.PathLike) to a .safetensors file or a folder, got {type(checkpoint).__name__}"
+    )
+
+
+def shards(folder: str, index: str) -> list[str]:
+    """The files a sharded checkpoint's index names, checked: the index is a JSON object whose
+    ``weight_map`` maps tensor names to file names inside ``folder``. A file outside it (an
+    absolute path, or one climbing out with ``..``) is refused: the package opens only what the
+    user named. Only the names are checked, not where symbolic links lead (a Hugging Face cache's
+    snapshot folder links to blobs outside it)."""
+    try:
+        with open(index, "rb") as f:
+            doc = json.loads(f.read().decode("utf-8"))
+    except ValueError as err:
+        raise ValueError(f"checkpoint: {index} is not JSON ({err})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"checkpoint: {index} is {json_kind(doc)}, not a JSON object with a weight_map")
+    weight_map = doc.get("weight_map")
+    if not isinstance(weight_map, dict):
+        got = "has no weight_map" if weight_map is None else f"has a weight_map that is {json_kind(weight_map)}"
+        raise ValueError(f"checkpoint: {index} {got}, not an object of tensor names to file names")
+    files: set[str] = set()
+    for name, file in weight_map.items():
+        if not isinstance(file, str):
+            raise ValueError(f"checkpoint: {index}: weight_map[{name!r}] is {json_kind(file)}, not a file name")
+        if os.path.isabs(file) or os.path.normpath(file).split(os.sep)[0] == os.pardir:
+            raise ValueError(
+                f"checkpoint: {index}: weight_map[{name!r}] names {file!r}, outside the checkpoint's folder: "
+                "refused (only files inside the folder given are opened)"
+            )
+        files.add(file)
+    return sorted(files)
+
+
 class Checkpoint:
-    """The tensors of a checkpoint and where their bytes are (see the module documentation)."""
+    """The tensors of a checkpoint and where their bytes are (see the module documentation).
+    Every file's header is read and checked here (``runtime.safetensors.Reader``), before any
+    tensor is: a tensor in two shards is refused too."""
 
     def __init__(self, path: Any) -> None:
-        path = os.fspath(path)
+        path = checkpoint_path(path)
         if os.path.isdir(path):
             index = os.path.join(path, INDEX)
             if os.path.isfile(index):
-                with open(index) as f:
-                    weight_map = json.load(f).get("weight_map")
-                if not isinstance(weight_map, dict):
-                    raise ValueError(f"checkpoint: {index} has no weight_map")
-                files = sorted(set(weight_map.values()))
+                files = shards(path, index)
             elif os.path.isfile(os.path.join(path, SINGLE)):
                 files = [SINGLE]
             else:
@@ -64,11 +103,19 @@ class Checkpoint:
             r = Reader(fp)
             try:
                 for name, e in r.entries.items():
+                    if name in self.tensors:
+                        raise ValueError(f"checkpoint: tensor {name!r} is in two files of {path!r}: {self.tensors[name].path} and {fp}")
                     self.tensors[name] = Located(name, fp, e, r.base)
             finally:
                 r.close()
-        self.io = _native.IoEngine()
+        self._io: _native.IoEngine | None = None  # made at the first read
         self._files: dict[str, int] = {}
+
+    @property
+    def io(self) -> _native.IoEngine:
+        if self._io is None:
+            self._io = _native.IoEngine()
+        return self._io
 
     def locate(self, blocks: list[Block], known: set[str]) -> dict[int, Located]:
         """Each parameter's tensor (by ``id``), checked: present under one of its names, with
@@ -145,3 +192,6 @@ class Checkpoint:
         for fid in self._files.values():
             self.io.close_file(fid)
         self._files = {}
+        if self._io is not None:
+            self._io.close()  # its threads and io_uring too, now rather than at garbage collection
+        self._io = None

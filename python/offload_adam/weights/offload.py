@@ -5,16 +5,19 @@ the device as far as ``gpu_budget_gb`` allows."""
 from __future__ import annotations
 
 import errno
+import itertools
+import logging
 import os
 import resource
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..runtime import costs
-from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device
+from ..runtime import checks, costs
+from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
@@ -26,10 +29,13 @@ from .quantize import Quantizer, quantize_blocks, quantizer
 from .ring import plan as ring_plan
 from .storage import HostWeights, NvmeWeights, SplitWeights
 from .streamer import Streamer
+from .undo import Undo, from_copy
 
 GiB = 1 << 30
+DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 STORAGES = ("cpu", "nvme")
 ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
+log = logging.getLogger("offload_adam")
 
 
 def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int, host_only: set[int] | None = None) -> int:
@@ -38,6 +44,13 @@ def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], 
     size, n, made, later = ring_plan(list(blocks), list(streamed), own, prefetch, host_only=host_only)
     skip = host_only or set()
     return n * size + sum(blocks[b].nbytes for b in made | later if b not in skip)
+
+
+def staging_slots(prefetch: int, blocks: int, on_device: bool) -> int:
+    """Slots of the RAM ring NVMe pages are read into: a page being copied to the device (or run
+    by the CPU) and ``prefetch`` read ahead, and never more than the ``blocks`` it serves (on a
+    device, one more: a block's page still being copied while it is read again for the next pass)."""
+    return max(1, min(prefetch + (2 if on_device else 1), blocks + (1 if on_device else 0)))
 
 
 def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
@@ -117,7 +130,7 @@ def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
 def _to_meta(e: Entry) -> None:
     """``e``'s parameter (the same object, for every module holding it) onto the meta device: its
     weights are lost, and a read of it fails loudly."""
-    torch.utils.swap_tensors(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
+    swap(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
 
 
 class WeightOffload:
@@ -147,123 +160,144 @@ class WeightOffload:
         self.storage = storage
         self.placement = placement if not isinstance(device, HostDevice) else "cpu"
         on_device = not isinstance(device, HostDevice)
-        tie = getattr(model, "tie_weights", None)
-        if checkpoint is not None and callable(tie):
-            # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
-            # may come untied, and save_pretrained writes a tied parameter under one name only.
-            tie()
-        if quantize is not None:
-            quantize_blocks(model, blocks, checkpoint, quantize, keep)
-            checkpoint = None  # (read: the model is on the host now, quantized)
-        self.blocks = find_blocks(model, blocks, keep)
-        # resident=: parameters in no block, on the device for the whole offload (as buffers)
-        self.kept = [p for p in model.parameters() if id(p) in keep]
-        self.meter = Meter()
-        self.arena = PinnedArena(device)
-        buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
-        buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
-        own = own_slot_blocks(self.blocks)
-        host_only = host_only_blocks(self.blocks)
-        every = [b.index for b in self.blocks]
-        page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
-        host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
-        if on_device:
-            # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
-            # makes no general slots: a call that must stream makes its slot then).
-            general = self.placement != "cpu"
+        with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
+            tie = getattr(model, "tie_weights", None)
+            if checkpoint is not None and callable(tie):
+                # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
+                # may come untied, and save_pretrained writes a tied parameter under one name only.
+                tie()
+            if quantize is not None:
+                quantize_blocks(model, blocks, checkpoint, quantize, keep, undo)
+                checkpoint = None  # (read: the model is on the host now, quantized)
+            self.blocks = find_blocks(model, blocks, keep)
+            # resident=: parameters in no block, on the device for the whole offload (as buffers)
+            self.kept = [p for p in model.parameters() if id(p) in keep]
+            self.meter = Meter()
+            self.arena = PinnedArena(device)
+            buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
+            buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
+            own = own_slot_blocks(self.blocks)
+            host_only = host_only_blocks(self.blocks)
+            every = [b.index for b in self.blocks]
+            page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
+            host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
+            if on_device:
+                # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
+                # makes no general slots: a call that must stream makes its slot then).
+                general = self.placement != "cpu"
 
-            def device_ring(streamed: list[int]) -> int:
-                size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
-                return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
+                def device_ring(streamed: list[int]) -> int:
+                    size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
+                    return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
 
-            budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
-            self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
-        elif storage == "cpu":
-            self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
-        else:
-            # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
-            # of prefetch + 1 pages the others are read into (None: none in RAM).
-            self.resident = choose_resident(
-                self.blocks, host_budget, prefetch, buffer_bytes, ring=lambda streamed: (prefetch + 1) * page(streamed),
-                what="host_budget_gb",
+                budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
+                self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
+            elif storage == "cpu":
+                self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
+            else:
+                # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
+                # of prefetch + 1 pages the others are read into (None: none in RAM).
+                self.resident = choose_resident(
+                    self.blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
+                    ring=lambda streamed: staging_slots(prefetch, len(streamed), False) * page(streamed),
+                )  # fmt: skip
+            streamed = [b.index for b in self.blocks if b.index not in self.resident]
+            self.streamed = streamed
+            if prefetch > len(streamed):
+                # More blocks ahead than there are to read: the rings never hold more than the
+                # streamed blocks (prefetch=10**9 would allocate slots until memory ran out). Where
+                # nothing streams (every block resident) there is no ring, and nothing to say.
+                if prefetch > DEFAULT_PREFETCH and streamed:
+                    warnings.warn(
+                        f"offload_weights: prefetch={prefetch} is more than the {len(streamed)} streamed block"
+                        f"{'s' if len(streamed) != 1 else ''}; capped at {len(streamed)}",
+                        stacklevel=3,
+                    )
+                prefetch = len(streamed)
+            self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
+            if on_device and storage == "nvme" and host_budget is not None:
+                self.in_ram = choose_resident(
+                    self.blocks, host_budget, prefetch, 0, what="host_budget_gb", among=streamed,
+                    ring=lambda rest: staging_slots(prefetch, len(rest), True) * page(rest),
+                )  # fmt: skip
+            ck = Checkpoint(checkpoint) if checkpoint is not None else None
+            where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
+            stream_blocks = [self.blocks[i] for i in streamed]
+            if storage == "nvme" and self.in_ram:
+                on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
+                self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
+                    HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
+                    NvmeWeights(device, self.arena, nvme_dir, on_disk, staging_slots(prefetch, len(on_disk), on_device)),
+                    self.in_ram,
+                )
+            elif storage == "nvme":
+                slots = staging_slots(prefetch, len(stream_blocks), on_device)
+                self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
+            else:
+                self.source = HostWeights(self.arena, stream_blocks)
+            undo.add(self.source.close)
+            self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
+            try:
+                self._fill(ck, where, buffers, undo)
+                self.source.pin()
+            finally:
+                if ck is not None:
+                    ck.close()
+            triggers = {id(m): b.index for b in self.blocks for m in b.modules}
+            guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
+            # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
+            # next forward streams it from there); NVMe keeps none in memory.
+            self.homes: dict[int, list[Home]] = {}
+            undo.add(self._unset_homes)  # (undone before the fill: a parameter with a home, a weak reference, cannot be swapped back)
+            for i in streamed:
+                b = self.blocks[i]
+                host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
+                self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
+                for e, h in zip(b.entries, self.homes[i]):
+                    set_home(e.param, h)
+            # placement="auto": the cost model, and where its figures came from (report(), the log)
+            self.cost_model: dict[str, str] | None = None
+            if self.placement == "auto":
+                dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
+                if cost_model is None:
+                    cost_model = costs.cached_model(dtype)
+                self.cost_model = cost_model.describe(dtype)
+                log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
+            self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
+            self.streamer = Streamer(
+                device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
+                placer=self.placer,
             )  # fmt: skip
-        streamed = [b.index for b in self.blocks if b.index not in self.resident]
-        self.streamed = streamed
-        self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
-        if on_device and storage == "nvme" and host_budget is not None:
-            self.in_ram = choose_resident(
-                self.blocks, host_budget, prefetch, 0, ring=lambda rest: (prefetch + 2) * page(rest),
-                what="host_budget_gb", among=streamed,
-            )  # fmt: skip
-        ck = Checkpoint(checkpoint) if checkpoint is not None else None
-        where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
-        stream_blocks = [self.blocks[i] for i in streamed]
-        slots = prefetch + (2 if on_device else 1)  # a page being copied (or run) and the next ones read ahead
-        if storage == "nvme" and self.in_ram:
-            on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
-            self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
-                HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
-                NvmeWeights(device, self.arena, nvme_dir, on_disk, slots),
-                self.in_ram,
-            )
-        elif storage == "nvme":
-            self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
-        else:
-            self.source = HostWeights(self.arena, stream_blocks)
-        self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
-        try:
-            self._fill(ck, where, buffers)
-            self.source.pin()
-        except BaseException:
-            self.source.close()
-            raise
-        finally:
-            if ck is not None:
-                ck.close()
-        triggers = {id(m): b.index for b in self.blocks for m in b.modules}
-        guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
-        # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
-        # next forward streams it from there); NVMe keeps none in memory.
-        self.homes: dict[int, list[Home]] = {}
-        for i in streamed:
-            b = self.blocks[i]
-            host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
-            self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
-            for e, h in zip(b.entries, self.homes[i]):
-                set_home(e.param, h)
-        if self.placement == "auto" and cost_model is None:
-            dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
-            cost_model = costs.cached_model(dtype)
-        self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
-        self.streamer = Streamer(
-            device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
-            placer=self.placer,
-        )  # fmt: skip
-        # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
-        # streamed block's modules that may run there, and with the CPU as the device every block's.
-        # A streamed embedding is looked up on the host under every placement (its rows cross, not
-        # its table): its block's modules get the hooks too.
-        self.host_calls: HostCalls | None = None
-        looked_up = {i for i in self.streamed if any(isinstance(m, torch.nn.Embedding) for m in self.blocks[i].modules)}
-        if self.placement != "stream" or num_threads is not None or (on_device and looked_up):
-            cpu_runs = self.placement != "stream" or not on_device  # blocks other than lookups run on the CPU
-            self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul if cpu_runs else False)
-            for b in self.blocks:
-                if (b.index in self.streamed and (cpu_runs or b.index in looked_up)) or not on_device:
-                    for m in b.modules:
-                        self.host_calls.attach(m, b.index)
-        self.prefetch = prefetch
-        self.num_threads = num_threads
-        self.native_matmul = native_matmul
-        self.closed = False
-        setattr(model, ATTR, self)
+            undo.add(self.streamer.close)
+            # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
+            # streamed block's modules that may run there, and with the CPU as the device every block's.
+            # A streamed embedding is looked up on the host under every placement (its rows cross, not
+            # its table): its block's modules get the hooks too.
+            self.host_calls: HostCalls | None = None
+            looked_up = {i for i in self.streamed if any(isinstance(m, torch.nn.Embedding) for m in self.blocks[i].modules)}
+            if self.placement != "stream" or num_threads is not None or (on_device and looked_up):
+                cpu_runs = self.placement != "stream" or not on_device  # blocks other than lookups run on the CPU
+                self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul if cpu_runs else False)
+                undo.add(self.host_calls.close)
+                for b in self.blocks:
+                    if (b.index in self.streamed and (cpu_runs or b.index in looked_up)) or not on_device:
+                        for m in b.modules:
+                            self.host_calls.attach(m, b.index)
+            self.prefetch = prefetch
+            self.num_threads = num_threads
+            self.native_matmul = native_matmul
+            self.closed = False
+            setattr(model, ATTR, self)
 
-    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]]) -> None:
+    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
-        the model's own tensors or the checkpoint, block by block; each block's host tensors
-        are freed once it is stored (its parameters then point to their placeholders), and the
-        storage's memory is touched only as it is filled (pinned after), so the host holds the
-        model at most once, plus a block."""
+        the model's own tensors or the checkpoint, block by block, its parameters then pointed
+        at their placeholders or device copies; ``undo`` records how to put each back (see
+        ``undo.py``). A block copied into host memory (the pinned copy, blocks kept in RAM, the
+        CPU as the device) lets its own tensors go at once, and the storage's memory is touched
+        only as it is filled (pinned after), so the host holds the model at most once, plus a
+        block; the others' tensors are kept until the offload is complete (the host holds them
+        anyway: they go to NVMe or the GPU)."""
         dev = self.device
         for b in self.blocks:
             resident = b.index in self.resident
@@ -274,27 +308,43 @@ class WeightOffload:
                 for e in b.entries:
                     for v, t in zip(e.views(dst), e.tensors()):
                         v.copy_(t)
+            host: Tensor | None = None  # the block's copy in host memory, if it has one
             if resident:
                 outs = [q.shaped(dev.empty(q.numel, q.dtype, self.meter)) for q in b.parts]
                 dev.stream_waits(dev.h2d, dev.record_current())  # after the allocation (memory reused at once)
                 dev.copy_blocking([(o, q.view(dst)) for q, o in zip(b.parts, outs)], dev.h2d)
-                k = 0
-                for e in b.entries:
-                    e.attach(outs[k : k + len(e.parts)])
-                    k += len(e.parts)
+                cuts = [0, *itertools.accumulate(len(e.parts) for e in b.entries)]
+                parts = [outs[i:j] for i, j in zip(cuts, cuts[1:])]
+                copied = isinstance(dev, HostDevice)  # (the CPU as the device: this copy is theirs, ordinary host tensors)
             else:
                 self.source.store_block(b)
-                for e, ph in zip(b.entries, self.placeholders[b.index]):
-                    e.attach(ph)
+                if isinstance(self.source, (HostWeights, SplitWeights)):
+                    host = self.source.view(b)
+                copied = host is not None
+                parts = self.placeholders[b.index]
+            for e, part in zip(b.entries, parts):
+                on_meta = e.param.device.type == "meta"
+                back = e.attach(part)
+                if not copied or on_meta or undo.holds(e.param):
+                    undo.keep(e.param, back)
+                elif host is not None:
+                    undo.keep(e.param, from_copy(e, host))
+                del back  # (its own tensors go, unless kept)
             trim_host_memory()  # (the block's former tensors)
         moved: dict[int, Tensor] = {}
         for m, name, buf in buffers:
             out = moved.get(id(buf))
             if out is None:
                 out = moved[id(buf)] = self._to_device(buf)
-            m._buffers[name] = out
+            m._buffers[name] = out  # (undo puts the modules' buffers back)
         for p in self.kept:
+            undo.hold(p)
             set_data(p, self._to_device(p.detach()))
+
+    def _unset_homes(self) -> None:
+        for i in self.homes:
+            for e in self.blocks[i].entries:
+                set_home(e.param, None)
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -313,7 +363,9 @@ class WeightOffload:
         torch's: see ``native_matmul``; ``native_bf16``: whether bf16 weights go to it), and with
         ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
-        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0)."""
+        ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0); with
+        ``placement="auto"``, ``cost_model``: each figure its choices take and where it came from
+        (``runtime/costs.py``; None otherwise)."""
         st = self.streamer
         h2d_s, stall_s = st.timings()
         on_device = not isinstance(self.device, HostDevice)
@@ -329,6 +381,7 @@ class WeightOffload:
         out: dict[str, Any] = {
             "device": str(self.device.torch_device) if on_device else "cpu",
             "placement": self.placement,
+            "cost_model": self.cost_model,
             "gpu_peak_bytes": self.meter.peak if on_device else 0,
             "gpu_resident_bytes": resident if on_device else 0,
             "ring_bytes": st.ring_bytes,
@@ -385,9 +438,7 @@ class WeightOffload:
                 for h in hs:
                     h.ready.wait()  # an asynchronous step still writing it
                     h.release()  # its writer may no longer step it
-            for i in self.homes:
-                for e in self.blocks[i].entries:
-                    set_home(e.param, None)
+            self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
             # Every stream, the user's included, before the ring is freed: a forward under
@@ -498,18 +549,22 @@ def offload_weights(
         storage: where the streamed weights live (default: ``"cpu"``): ``"cpu"``, one pinned host
             allocation of exactly their bytes; ``"nvme"``, a file under ``nvme_dir``, read ahead
             by the I/O engine (for inference: training needs ``"cpu"``).
-        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD
-            (default: None).
+        nvme_dir: with ``storage="nvme"`` (and only then): an existing directory on an SSD, a
+            ``str``, ``os.PathLike`` or ``bytes`` path (default: None).
         checkpoint: a ``.safetensors`` file or an HF folder (sharded index or not) to load the
             weights from, into their storage, without materialising them: a model built with
             ``accelerate.init_empty_weights()`` then needs no RAM for a second copy (default:
-            None, the model's own weights).
+            None, the model's own weights). Every file's header is checked first, by
+            safetensors' own rules (each tensor's bytes within the file, exactly its size, no
+            two overlapping): a malformed file is a ValueError naming it and the tensor.
         gpu_budget_gb: GiB of device memory for the offload (default: None, which streams every
             block: the slowest choice when most blocks would fit). Whole blocks stay resident as
             far as they fit after the ring, small blocks first, then layers in order; leave room
             for activations and the KV cache (``python -m offload_adam plan --inference`` sizes it).
+            At most 1 PiB (``inf`` is refused).
         prefetch: blocks copied ahead of the one running (default: 2; 0: none). The ring has
-            ``prefetch + 1`` slots.
+            ``prefetch + 1`` slots, never more than the streamed blocks: a larger ``prefetch`` is
+            capped at their number, with a warning.
         blocks: the modules to stream as blocks (default: None, each layer of a ModuleList of
             repeated layers, and each other module with parameters of its own).
         placement: where a block that is not resident on the GPU runs (default: ``"stream"``,
@@ -520,9 +575,10 @@ def offload_weights(
             streamed. Embeddings always look their rows up on the host; training always streams.
         host_budget_gb: with ``storage="nvme"``: GiB of RAM that keeps whole blocks (small blocks
             first, then layers) instead of reading them from the SSD each time (default: None,
-            none); it must hold the RAM ring of pages read ahead.
+            none); it must hold the RAM ring of pages read ahead. At most 1 PiB.
         num_threads: CPU threads of the blocks run on the CPU (default: None, torch's), so that a
-            home server keeps cores for its other services.
+            home server keeps cores for its other services; at most the CPUs this process may use
+            (``os.sched_getaffinity``), more is refused.
         native_matmul: whether the blocks run on the CPU multiply their ``F.linear`` of at most
             ``hostmatmul.MAX_ROWS`` (16) rows, a decode step, with the native kernel
             (``weights/hostmatmul.py``) where it applies, no gradient wanted; torch's kernels
@@ -534,60 +590,76 @@ def offload_weights(
             agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
             once and cached: see ``offload_adam.runtime.costs``).
-        resident: a function of (name, parameter): the parameters it accepts are in no block,
-            kept on the device for the whole offload as the buffers are (default: None, none): a
-            LoRA adapter trained over a streamed frozen base (``resident=lambda n, p:
-            p.requires_grad``). They must hold their values (not on the meta device), and
-            ``placement`` must be ``"stream"``.
+        resident: a function of (name, parameter) returning a bool: the parameters it accepts
+            are in no block, kept on the device for the whole offload as the buffers are
+            (default: None, none): a LoRA adapter trained over a streamed frozen base
+            (``resident=lambda n, p: p.requires_grad``). They must hold their values (not on the
+            meta device), and ``placement`` must be ``"stream"``.
         quantize: quantize the weights as they load (default: None, as they are): a torchao
-            config (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to each block
-            by torchao's ``quantize_``), or a function called with each module of each block. With
-            ``checkpoint``, each block is read in full precision and quantized before the next is
-            read: the host never holds the full-precision model. Quantized parameters (traceable
-            tensor subclasses, as torchao's) are stored and streamed as their inner tensors,
-            whether quantized here or before the call.
+            config instance (``Int8WeightOnlyConfig()``, ``Float8WeightOnlyConfig()``: applied to
+            each block by torchao's ``quantize_``), or a function called with each module of each
+            block; a class, or anything else torchao does not take as a config, is a TypeError.
+            With ``checkpoint``, each block is read in full precision and quantized before the
+            next is read: the host never holds the full-precision model. Without, the model's
+            full-precision tensors are kept until the offload is complete (a failure puts them
+            back): the host holds them and the quantized copy at once. Quantized parameters
+            (traceable tensor subclasses, as torchao's) are stored and streamed as their inner
+            tensors, whether quantized here or before the call.
 
     Returns:
         The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
-        manager). Every error is raised before anything changes.
+        manager). Bad arguments are refused before anything changes. A failure after (an I/O
+        error storing a block, a ``quantize=`` that raises, the device out of memory) puts the
+        model back as it was, bitwise: every parameter (the same object under every name, so
+        ties hold; a model filled from a checkpoint back on the meta device), buffer and module
+        attribute; what the offload wrote under ``nvme_dir`` is removed, and the error raised.
     """
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     if storage == "nvme":
         if nvme_dir is None:
             raise ValueError('storage="nvme" needs nvme_dir: a directory on the SSD that holds the weights')
-        if not isinstance(nvme_dir, (str, os.PathLike)) or not os.path.isdir(nvme_dir):
-            raise ValueError(f"nvme_dir: {nvme_dir!r} is not a directory")
+        nvme_dir = checks.directory(nvme_dir, "nvme_dir")
     elif nvme_dir is not None:
         raise ValueError(f'nvme_dir is only used with storage="nvme", got storage={storage!r}')
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise ValueError(f"prefetch must be an int >= 0, got {prefetch!r}")
-    if gpu_budget_gb is not None and not (isinstance(gpu_budget_gb, (int, float)) and gpu_budget_gb >= 0):
-        raise ValueError(f"gpu_budget_gb must be a number >= 0 or None, got {gpu_budget_gb!r}")
+    if gpu_budget_gb is not None:
+        gpu_budget_gb = checks.size(gpu_budget_gb, "gpu_budget_gb", optional=True)
     if blocks is not None and not isinstance(blocks, (list, tuple)):
         raise TypeError(f"blocks must be a list of modules, got {type(blocks).__name__}")
     if placement not in PLACEMENTS:
         raise ValueError(f"placement must be one of {PLACEMENTS}, got {placement!r}")
     if host_budget_gb is not None:
-        if not (isinstance(host_budget_gb, (int, float)) and not isinstance(host_budget_gb, bool) and host_budget_gb >= 0):
-            raise ValueError(f"host_budget_gb must be a number >= 0 or None, got {host_budget_gb!r}")
+        host_budget_gb = checks.size(host_budget_gb, "host_budget_gb", optional=True)
         if storage != "nvme":
             raise ValueError(
                 f'host_budget_gb is only used with storage="nvme" (the blocks kept in RAM instead of on the SSD), '
                 f"got storage={storage!r}: with storage='cpu' every weight is in RAM"
             )
-    if num_threads is not None and (isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1):
-        raise ValueError(f"num_threads must be an int >= 1 or None, got {num_threads!r}")
+    if num_threads is not None:
+        num_threads = checks.threads(num_threads, "num_threads")
     if native_matmul is not None and not isinstance(native_matmul, bool):
         raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
+    if checkpoint is not None:
+        # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
+        # changes: tie_weights() and quantize= act on the model before the offload reads it.
+        Checkpoint(checkpoint).close()
     keep: frozenset[int] = frozenset()
     if resident is not None:
         if not callable(resident):
             raise TypeError(f"resident must be a function of (name, parameter), got {type(resident).__name__}")
-        kept = [(n, p) for n, p in model.named_parameters() if resident(n, p)]
+        kept = []
+        for n, p in model.named_parameters():
+            answer = resident(n, p)
+            if not isinstance(answer, bool):  # (a truthy string would keep every parameter)
+                got = f"a {type(answer).__name__}" if isinstance(answer, Tensor) else f"{answer!r} (of type {type(answer).__name__})"
+                raise TypeError(f"resident must return a bool, got {got} for {n}")
+            if answer:
+                kept.append((n, p))
         on_meta = [n for n, p in kept if p.device.type == "meta"]
         if on_meta:
             raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")

@@ -7,7 +7,11 @@ parameters left unquantized (norms, embeddings a config skips) get their own cop
 host so holds the quantized blocks done so far and one full-precision block (with what the
 quantization makes while it runs), never the full-precision model; the offload then stores the
 quantized model block by block as it stores any model built on the host. Without a checkpoint
-the model's own weights are quantized, block by block, in place.
+the model's own weights are quantized, block by block, in place; their full-precision tensors
+are kept until the offload is complete, so that a failure puts them back (``undo.py``): the host
+then holds the model and its quantized copy at once. A failure (``quantize=`` raising at some
+block, or leaving a dtype that cannot be offloaded) leaves every parameter as it was: on the
+meta device when read from a checkpoint.
 
 What a config does to tied parameters is its own: torchao quantizes a head's ``Linear`` and
 leaves the embedding it was tied to, as ``quantize_`` on the whole model does.
@@ -22,16 +26,24 @@ from typing import Any
 import torch
 
 from ..runtime.pinned import trim_host_memory
-from .blocks import find_blocks
+from .blocks import DTYPES, find_blocks, wrapped
 from .checkpoint import Checkpoint
+from .undo import Undo
 
 Quantizer = Callable[[torch.nn.Module], Any]
 
 
 def quantizer(quantize: Any) -> Quantizer:
     """``quantize`` as a function of a module: a callable as it is; anything else is a torchao
-    config, applied by torchao's ``quantize_``. Raises ValueError naming ``quantize`` if torchao
-    is not installed."""
+    config, applied by torchao's ``quantize_``. Raises, naming ``quantize``, before anything
+    changes: ValueError if torchao is not installed; TypeError for a class (a config's, not an
+    instance) and for what torchao's ``quantize_`` does not take as a config (tried on an empty
+    module)."""
+    if isinstance(quantize, type):
+        name = quantize.__name__
+        raise TypeError(
+            f"quantize: {name} is a class: pass an instance, {name}() (a torchao config), or a function of a module"
+        )
     if callable(quantize):
         fn: Quantizer = quantize
         return fn
@@ -42,15 +54,28 @@ def quantizer(quantize: Any) -> Quantizer:
             f"quantize: {type(quantize).__name__} is not callable, so it is taken for a torchao config, and torchao "
             f"cannot be imported ({err}): pip install torchao, or pass a function of a module"
         ) from None
+    try:
+        quantize_(torch.nn.Module(), quantize)  # (a config changes nothing here; torchao refuses anything else)
+    except Exception as err:
+        raise TypeError(
+            f"quantize: {quantize!r} (of type {type(quantize).__name__}) is neither a torchao config (an instance, such as "
+            "torchao.quantization.Int8WeightOnlyConfig()) nor a function of a module"
+        ) from err
     return lambda module: quantize_(module, quantize)
 
 
 def quantize_blocks(
-    model: torch.nn.Module, blocks: list[torch.nn.Module] | None, checkpoint: Any, fn: Quantizer, keep: frozenset[int] = frozenset()
+    model: torch.nn.Module, blocks: list[torch.nn.Module] | None, checkpoint: Any, fn: Quantizer, keep: frozenset[int],
+    undo: Undo,
 ) -> None:  # fmt: skip
     """Quantizes ``model`` block by block, each block's weights read from ``checkpoint`` first
-    (if given) into one buffer (see the module documentation); ``keep``: parameters in no block."""
+    (if given) into one buffer (see the module documentation); ``keep``: parameters in no block.
+    ``undo`` records how to put each parameter back: on the meta device (read from the
+    checkpoint), else its full-precision tensors, kept. An error of ``fn`` gets a note naming the
+    block; a parameter ``fn`` leaves in a dtype that cannot be offloaded is a TypeError naming
+    it and ``quantize``."""
     found = find_blocks(model, blocks, keep)
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     ck = Checkpoint(checkpoint) if checkpoint is not None else None
     try:
         where = ck.locate(found, set(model.state_dict(keep_vars=True))) if ck is not None else None
@@ -59,9 +84,23 @@ def quantize_blocks(
                 buf = torch.empty(b.nbytes, dtype=torch.uint8)
                 ck.read_block(b, where, buf)  # type: ignore[arg-type]
                 for e in b.entries:
-                    e.attach(e.views(buf))
+                    undo.keep(e.param, e.attach(e.views(buf)))  # (back to the meta device)
             for m in b.modules:
-                fn(m)
+                for p in m.parameters():
+                    undo.hold(p)  # (the full-precision tensors of a model on the host)
+            try:
+                for m in b.modules:
+                    fn(m)
+            except Exception as err:
+                err.add_note(f"offload_adam: raised by quantize= on block {b.name}; the model is as it was before offload_weights")
+                raise
+            for m in b.modules:
+                for n, p in m.named_parameters(prefix=names.get(id(m), "")):
+                    if not wrapped(p) and p.dtype not in DTYPES:
+                        raise TypeError(
+                            f"quantize: {n} is {p.dtype} after it: offload_weights stores {', '.join(map(str, DTYPES))} "
+                            "tensors and quantized ones (tensor subclasses that flatten, as torchao's)"
+                        )
             if ck is not None:
                 # Off the buffer, so that it goes: the parameters the quantization left get their
                 # own copy, those it replaced let go of it.

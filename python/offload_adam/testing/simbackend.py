@@ -81,7 +81,7 @@ class SimTensor(Tensor):
     """A tensor of the simulated device: reports ``simgpu:N``, computes on its CPU memory."""
 
     mem: Tensor
-    index: int
+    device_index: int
 
     @staticmethod
     def __new__(cls, m: Tensor, index: int = 0, requires_grad: bool = False) -> SimTensor:
@@ -91,7 +91,7 @@ class SimTensor(Tensor):
             device=torch.device(NAME, index), requires_grad=requires_grad,
         )  # fmt: skip
         r.mem = m
-        r.index = index
+        r.device_index = index
         return r
 
     # ``t.data = x`` copies the tensor's metadata from ``x``; its memory lives here, so it moves too.
@@ -103,10 +103,10 @@ class SimTensor(Tensor):
     def data(self, new: Tensor) -> None:
         torch._C.TensorBase.data.__set__(self, new)  # type: ignore[attr-defined]
         if isinstance(new, SimTensor):
-            self.mem, self.index = new.mem, new.index
+            self.mem, self.device_index = new.mem, new.device_index
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
-        return f"SimTensor({self.mem!r}, device='{NAME}:{self.index}')"
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"SimTensor({self.mem!r}, device='{NAME}:{self.device_index}')"
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -134,7 +134,7 @@ class SimTensor(Tensor):
             return func(*args, **kwargs)
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
         return _dispatch(func, args, kwargs or {})
 
 
@@ -214,11 +214,11 @@ _CPU_INDICES = {"aten::index", "aten::index_put_", "aten::_index_put_impl_", "at
 def _index_of(args: Any, kwargs: Any) -> int:
     for x in (*args, *kwargs.values()):
         if isinstance(x, SimTensor):
-            return x.index
+            return x.device_index
         if isinstance(x, (list, tuple)):
             for y in x:
                 if isinstance(y, SimTensor):
-                    return y.index
+                    return y.device_index
     return 0
 
 

@@ -141,6 +141,7 @@ def weight_parts(weight: Tensor) -> WeightParts | str:
         if not weight.is_contiguous():
             return "bfloat16 weight is not contiguous"
         return WeightParts("bf16", weight.detach(), None)
+    assert flatten is not None
     names, ctx = flatten()
     inner = {n: getattr(weight, n) for n in names}
     if set(inner) - {"qdata", "scale", "zero_point"} or not {"qdata", "scale"} <= set(inner):

@@ -536,7 +536,7 @@ def test_a_failed_write_is_written_again_never_read_back_unwritten(nvme_dir: str
     the range never written: silently wrong gradients. The write is tried again instead, and the
     gradients are bitwise those of the model without offloading."""
     _fail_writes(monkeypatch, "write", 1)
-    with testing.simulated_device(seed=3, max_delay_s=0.0) as sim:
+    with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.0) as sim:
         m = _Chain()
         ref = copy.deepcopy(m)
         x = torch.randn(64, 64, requires_grad=True)
@@ -575,7 +575,7 @@ def test_close_after_a_failed_flush_gives_everything_back(nvme_dir: str, monkeyp
 
     real = pages.shutil.disk_usage
     monkeypatch.setattr(pages.shutil, "disk_usage", lambda p: real(p)._replace(free=4 << 20))
-    with testing.simulated_device(seed=4, max_delay_s=0.0) as sim:
+    with testing.simulated_device(host_memory=True, seed=4, max_delay_s=0.0) as sim:
         m = _Chain()
         ref = copy.deepcopy(m)
         x = torch.randn(64, 64, requires_grad=True)
@@ -603,7 +603,7 @@ def test_close_after_a_failed_flush_gives_everything_back(nvme_dir: str, monkeyp
 def test_a_saved_tensor_on_the_ssd_after_close_is_a_clear_error(nvme_dir: str) -> None:
     """close() closes the files (their space given back): a graph whose saved tensors were
     written there cannot run its backward afterwards, and says why."""
-    with testing.simulated_device(seed=5, max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.0):
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:

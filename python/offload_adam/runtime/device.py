@@ -472,9 +472,10 @@ def swap(t: Tensor, new: Tensor) -> None:
     its verdicts, in weak registries keyed by identity, which is what stays). The attributes the
     old class itself declares (a subclass's, with its memory) go with the old contents."""
     kind = vars(type(t)).get("__annotations__", {}) if type(t) not in (Tensor, torch.nn.Parameter) else {}
-    mine = {k: v for k, v in t.__dict__.items() if k not in kind}
-    theirs = dict(new.__dict__)
+    mine, theirs = dict(t.__dict__), dict(new.__dict__)
     t.__class__, new.__class__ = new.__class__, t.__class__
     torch._C._swap_tensor_impl(t, new)
     t.__dict__.clear()
-    t.__dict__.update({**mine, **theirs})
+    t.__dict__.update({**{k: v for k, v in mine.items() if k not in kind}, **theirs})
+    new.__dict__.clear()
+    new.__dict__.update(mine)  # (what ``t`` was, whole: swapping back restores it)

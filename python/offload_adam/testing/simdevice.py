@@ -222,7 +222,7 @@ class SimAllocator:
             t.fill_(float("nan") if dtype.is_floating_point else 0xA5 if dtype == torch.uint8 else -1)
         self.blocks[blk.memory.data_ptr()] = blk
         weakref.finalize(t.untyped_storage(), self.freed, blk)
-        return simbackend.wrap(t, dev.index)
+        return t if dev.host_memory else simbackend.wrap(t, dev.index)
 
     def freed(self, blk: _Block) -> None:
         """A client's memory of `empty` is garbage: back to its stream's pool, at once, or once
@@ -425,7 +425,6 @@ class SimulatedDevice:
         freed blocks of the same size and stream (see the module documentation)."""
         t = self.alloc.empty(n, dtype, self._alloc_lane())
         if self.host_memory:
-            t = mem(t)
             self.device_memory.note(t)
         if meter is None:
             return t

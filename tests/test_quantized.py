@@ -323,7 +323,7 @@ def status(key):
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
 
 cfg = transformers.LlamaConfig(
-    num_hidden_layers=12, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
+    num_hidden_layers=24, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
     vocab_size=256, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
 )
 if sys.argv[1] == "save":
@@ -353,15 +353,18 @@ h.close()
 
 
 def test_quantize_on_load_never_holds_the_full_precision_model(tmp_path: Any) -> None:
-    """A 283 MB bfloat16 checkpoint (12 layers of 24 MB) loaded into an empty model with
+    """A 567 MB bfloat16 checkpoint (24 layers of 24 MB) loaded into an empty model with
     quantize=Int8WeightOnlyConfig(), in a fresh process: the host's peak grows by at most the
-    quantized model, two full-precision blocks and 64 MiB (less than the full-precision model)."""
+    quantized model, two full-precision blocks and 128 MiB of the allocator's slack (less than the
+    full-precision model). (12 layers and 64 MiB of slack were too close to this machine's noise:
+    the growth varied by about 20 MiB from run to run, 234 to 257 MiB against a bound of 245; with
+    24 layers 371 to 392 against 445, where the model held whole would be 541 more.)"""
     ckpt = str(tmp_path / "model.safetensors")
     subprocess.run([sys.executable, "-c", _LOAD_RSS, "save", ckpt], check=True, timeout=300)
     r = subprocess.run([sys.executable, "-c", _LOAD_RSS, "load", ckpt], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     full, layer, stored, grew = map(int, r.stdout.split()[-4:])
-    bound = stored + 2 * layer + (64 << 20)
+    bound = stored + 2 * layer + (128 << 20)
     assert bound < full  # (the bound tells loading the model whole from loading it block by block)
     assert stored < 0.55 * full and grew <= bound, (grew / 2**20, bound / 2**20, full / 2**20)
 

@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 
-.PHONY: demo test test-slow install bench asv wheel lint clean generate docs
+.PHONY: demo test test-slow test-isa install bench asv wheel lint clean generate docs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,18 @@ test: install
 # The tests marked slow (fuzzing the checkpoint reader, minutes), which make test and CI skip.
 test-slow: install
 	$(BIN)/python -m pytest -q -m slow --run-slow
+
+# The tests whose numbers come from the kernels (the Adam step, its codecs, the few-row matmul, the
+# model decoded on it), once per SIMD path this CPU runs (OFFLOAD_ADAM_SIMD) and per thread count
+# (1 and 2): a test that holds on one path only fails here (issue 36, point 1).
+ISA_TESTS ?= tests/test_kernel.py tests/test_parity.py tests/test_lowbit.py tests/test_fp8.py tests/test_hostmatmul.py tests/test_native_dispatch.py tests/test_quantized.py tests/test_placement.py
+test-isa: install
+	@for simd in $$($(BIN)/python -c "from offload_adam import _native; print(' '.join(_native.simd_paths()))"); do \
+	  for threads in 1 2; do \
+	    echo "== OFFLOAD_ADAM_SIMD=$$simd OMP_NUM_THREADS=$$threads"; \
+	    OFFLOAD_ADAM_SIMD=$$simd OMP_NUM_THREADS=$$threads $(BIN)/python -m pytest -q -p no:cacheprovider $(ISA_TESTS) || exit 1; \
+	  done; \
+	done
 
 bench: install
 	$(BIN)/python -m offload_adam bench

@@ -158,7 +158,7 @@ def main() -> None:
     if args.device == "cpu":
         from offload_adam import testing
 
-        with testing.simulated_device(max_delay_s=0.0, lazy=False, keep_open=True):
+        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, keep_open=True):
             run(args)
     else:
         run(args)

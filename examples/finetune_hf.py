@@ -115,7 +115,7 @@ def _device() -> Iterator[tuple[str, torch.device | None]]:
         return
     from offload_adam import testing
 
-    with testing.simulated_device(max_delay_s=0.0, lazy=False):
+    with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False):
         yield "no GPU here: the simulated device (CPU tensors as device memory; the times are the CPU's, not a GPU's)", None
 
 

@@ -3,6 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from offload_adam.testing import simbackend
+
+# The simulated device's type, registered before any backward runs: autograd sizes its per-device
+# queues once, at the process's first backward (a process that registers it later cannot run a
+# backward on it; simulated_device() registers it too, for scripts).
+simbackend.register()
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-slow", action="store_true", help="also run the tests marked slow (fuzzing, minutes each)")

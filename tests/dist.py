@@ -31,7 +31,7 @@ SIMULATE = "OFFLOAD_ADAM_TEST_SIMULATE"
 def _simulated() -> Any:
     from offload_adam import testing
 
-    return testing.simulated_device(max_delay_s=0.0, lazy=False)
+    return testing.simulated_device(host_memory=True, max_delay_s=0.0, lazy=False)
 
 
 def _run(

@@ -79,3 +79,19 @@ def assert_state_close(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer, 
 
 def deep(sd: dict[str, Any]) -> dict[str, Any]:
     return copy.deepcopy(sd)
+
+
+def to_device(x: Any) -> Any:
+    """What a user does with ``.to("cuda")``: tensors (in lists, tuples, dicts) to the simulated
+    device of the innermost ``simulated_device()``; unchanged outside one."""
+    from offload_adam import testing
+
+    dev = testing.active_device()
+    if dev is None:
+        return x
+    return torch.utils._pytree.tree_map(lambda t: t.to(dev.torch_device) if isinstance(t, torch.Tensor) else t, x)
+
+
+def to_host(x: Any) -> Any:
+    """Tensors (in lists, tuples, dicts) back on the CPU, to compare with a reference."""
+    return torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, x)

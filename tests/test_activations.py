@@ -80,7 +80,7 @@ def test_gradients_are_bitwise_the_unoffloaded_models(
 ) -> None:
     seed = len(arch) + (dtype == torch.bfloat16)
     nv = {"storage": "nvme", "nvme_dir": str(tmp_path)} if storage == "nvme" else {}
-    with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.001) as sim:
         m = MODELS[arch](dtype, seed)
         ref = copy.deepcopy(m)
         checkpointing(m, ck)
@@ -109,7 +109,7 @@ def test_gradients_are_bitwise_the_unoffloaded_models(
 
 
 def test_a_storage_saved_twice_or_through_two_views_is_offloaded_once() -> None:
-    with testing.simulated_device(seed=3, max_delay_s=0.001):
+    with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.001):
         w = torch.randn(64, 64, requires_grad=True)
         ref = None
         for offload in (False, True):
@@ -131,7 +131,7 @@ def test_a_storage_saved_twice_or_through_two_views_is_offloaded_once() -> None:
 
 
 def test_small_tensors_and_parameters_stay_on_the_device() -> None:
-    with testing.simulated_device(seed=0, max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
         lin = torch.nn.Linear(256, 256)
         x = torch.randn(2, 256, requires_grad=True)  # a leaf that requires grad: kept
         with offload_adam.offload_activations(min_bytes=4096) as ao:
@@ -145,7 +145,7 @@ def test_small_tensors_and_parameters_stay_on_the_device() -> None:
 
 
 def test_host_memory_is_bounded_and_reused_between_steps() -> None:
-    with testing.simulated_device(seed=1, max_delay_s=0.001):
+    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.001):
         m = gpt2(torch.float32, 0)
         ao = offload_adam.offload_activations(min_bytes=1024)
         held = []
@@ -161,7 +161,7 @@ def test_host_memory_is_bounded_and_reused_between_steps() -> None:
 
 
 def test_the_module_form_offloads_only_what_chosen_modules_save() -> None:
-    with testing.simulated_device(seed=2, max_delay_s=0.001):
+    with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.001):
         m = llama(torch.float32, 2)
         ref = copy.deepcopy(m)
         (x,) = data(2)
@@ -182,7 +182,7 @@ def test_the_module_form_offloads_only_what_chosen_modules_save() -> None:
 
 
 def test_a_second_backward_with_retain_graph() -> None:
-    with testing.simulated_device(seed=4, max_delay_s=0.001):
+    with testing.simulated_device(host_memory=True, seed=4, max_delay_s=0.001):
         m = gpt2(torch.float32, 4)
         ref = copy.deepcopy(m)
         (x,) = data(4)
@@ -205,7 +205,7 @@ def test_with_streamed_weights_and_our_optimizer_training_is_bitwise_the_same(st
     rest goes to the activation offload), the optimizer offloading: training is bitwise the same
     training without offloading the activations."""
     nv = {"storage": "nvme", "nvme_dir": nvme_dir} if storage == "nvme" else {}
-    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.001) as sim:
         out = []
         for offload in (False, True):
             m = gpt2(torch.bfloat16, 5)
@@ -235,7 +235,7 @@ def test_with_streamed_weights_and_our_optimizer_training_is_bitwise_the_same(st
 
 
 def test_bad_arguments_are_refused_clearly(tmp_path: Any) -> None:
-    with testing.simulated_device(seed=0, max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
         with pytest.raises(ValueError, match="min_bytes must be an integer >= 0"):
             offload_adam.offload_activations(min_bytes=-1)
         with pytest.raises(ValueError, match="prefetch must be an integer >= 0"):
@@ -303,7 +303,7 @@ def test_a_prefetched_buffer_dropped_before_its_unpack_is_not_reused_under_its_c
     allocator, which must not hand them out while their copies still write them. The simulator
     reuses freed device memory at the next allocation of the compute stream and flags a reuse
     that no ``keep_until_done`` held."""
-    with testing.simulated_device(seed=2, max_delay_s=0.02) as sim:
+    with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.02) as sim:
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, prefetch=3) as ao:
@@ -329,7 +329,7 @@ def test_a_handle_made_every_step_pins_nothing_new() -> None:
     """Finding 6: the README's ``with offload_activations() as ao:`` inside the loop makes a
     handle per step; the pinned pool is the device's, so the steps after the first register no
     host memory."""
-    with testing.simulated_device(seed=1, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.001) as sim:
         m = gpt2(torch.float32, 0)
         regs = []
         for x in data(1, 5):
@@ -345,7 +345,7 @@ def test_events_stay_bounded_from_step_to_step() -> None:
     kept until reset_stats(): the events alive stay the same from step to step."""
     import gc
 
-    with testing.simulated_device(seed=1, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.001) as sim:
         m = gpt2(torch.float32, 0)
         ao = offload_adam.offload_activations(min_bytes=1024)
         live = []
@@ -366,7 +366,7 @@ def test_saved_storages_whose_copy_has_not_run_are_capped() -> None:
     until its copy has run; beyond max_inflight_bytes the forward waits for the oldest."""
     import threading
 
-    with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.001) as sim:
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         cap = 3 * 64 * 64 * 4
@@ -394,7 +394,7 @@ def test_nvme_reloads_wait_for_their_region_not_for_every_copy_queued(nvme_dir: 
     finish without it."""
     import threading
 
-    with testing.simulated_device(seed=4, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=4, max_delay_s=0.001) as sim:
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=1) as ao:
@@ -423,7 +423,7 @@ def test_copies_needed_now_do_not_queue_behind_a_stalled_prefetch() -> None:
     prefetch stream held, a forward and backward that load everything on demand finish."""
     import threading
 
-    with testing.simulated_device(seed=6, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=6, max_delay_s=0.001) as sim:
         m = gpt2(torch.float32, 6)
         (x,) = data(6)
         ref = copy.deepcopy(m)
@@ -454,7 +454,7 @@ def test_smaller_items_a_tensor_of_another_device_warns_and_graph_capture_is_ref
     device of the same kind saves: it says so, once, with the device to pass; under a CUDA graph
     capture the weights' and the activations' hooks refuse to run (their copies are issued from
     the host at each call, so a replay would skip them)."""
-    with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
+    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0) as sim:
         ao = offload_adam.offload_activations(min_bytes=0)
         sim.torch_device = torch.device("cpu", 1)  # the handle's device is another CPU "index"
         with pytest.warns(UserWarning, match=r"saved on cpu is kept there.*pass device='cpu'"):
@@ -481,7 +481,7 @@ def test_flush_writes_even_when_no_copy_out_had_run_by_the_last_save(nvme_dir: s
     """flush() wrote nothing when no saved storage's copy out had run while the forward saved
     (the page store is made at the first write, and flush looked for it): the regions stayed in
     RAM. The d2h stream held through the forward makes that case every time."""
-    with testing.simulated_device(seed=1, max_delay_s=0.0) as sim:
+    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.0) as sim:
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         release = sim.hold(sim.d2h)
@@ -499,7 +499,7 @@ def test_flush_writes_even_when_no_copy_out_had_run_by_the_last_save(nvme_dir: s
 def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
     """The activations' NVMe ranges go through the runtime's page store, CRC included (they had
     none): a range corrupted on the disk is a clear error naming the file when it is read back."""
-    with testing.simulated_device(seed=2, max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.0):
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
@@ -536,7 +536,7 @@ def test_a_failed_write_is_written_again_never_read_back_unwritten(nvme_dir: str
     the range never written: silently wrong gradients. The write is tried again instead, and the
     gradients are bitwise those of the model without offloading."""
     _fail_writes(monkeypatch, "write", 1)
-    with testing.simulated_device(seed=3, max_delay_s=0.0) as sim:
+    with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.0) as sim:
         m = _Chain()
         ref = copy.deepcopy(m)
         x = torch.randn(64, 64, requires_grad=True)
@@ -575,7 +575,7 @@ def test_close_after_a_failed_flush_gives_everything_back(nvme_dir: str, monkeyp
 
     real = pages.shutil.disk_usage
     monkeypatch.setattr(pages.shutil, "disk_usage", lambda p: real(p)._replace(free=4 << 20))
-    with testing.simulated_device(seed=4, max_delay_s=0.0) as sim:
+    with testing.simulated_device(host_memory=True, seed=4, max_delay_s=0.0) as sim:
         m = _Chain()
         ref = copy.deepcopy(m)
         x = torch.randn(64, 64, requires_grad=True)
@@ -603,7 +603,7 @@ def test_close_after_a_failed_flush_gives_everything_back(nvme_dir: str, monkeyp
 def test_a_saved_tensor_on_the_ssd_after_close_is_a_clear_error(nvme_dir: str) -> None:
     """close() closes the files (their space given back): a graph whose saved tensors were
     written there cannot run its backward afterwards, and says why."""
-    with testing.simulated_device(seed=5, max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.0):
         m = _Chain()
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:

@@ -22,7 +22,7 @@ STREAMING = [False, True]
 def streamed(request: pytest.FixtureRequest) -> Iterator[bool]:
     """Streamed: the optimizers stream their CPU parameters through a simulated device without
     delays whose waits are immediate."""
-    with testing.simulated_device(max_delay_s=0.0, lazy=False) if request.param else contextlib.nullcontext():
+    with testing.simulated_device(host_memory=True, max_delay_s=0.0, lazy=False) if request.param else contextlib.nullcontext():
         yield bool(request.param)
 
 

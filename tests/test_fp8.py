@@ -254,7 +254,7 @@ def test_offloaded_and_nvme_fp8_moments_step_as_cpu_ones(tmp_path: Any) -> None:
     ref = AdamW(cpu, lr=1e-3, state_dtype=FP8, amsgrad=True)
     nv = [p.clone().requires_grad_() for p in init]
     nvme = AdamW(nv, lr=1e-3, state_dtype=FP8, amsgrad=True, offload="nvme", nvme_dir=tmp_path, bucket_mb=0.02)
-    with testing.simulated_device(seed=1, max_delay_s=0.001) as dev:
+    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.001) as dev:
         off = [p.clone().requires_grad_() for p in init]
         opt = AdamW(off, lr=1e-3, state_dtype=FP8, amsgrad=True, bucket_mb=0.01)
         g = torch.Generator().manual_seed(9)

@@ -75,7 +75,7 @@ def test_trainer_clips_with_our_optimizer_as_with_torchs(where: str, precision: 
     """Lightning refused to clip ("does not allow for gradient clipping") for an optimizer that
     declares _step_supports_amp_scaling, which ours did always; torch's AdamW clips."""
     ref = _fit(torch.optim.AdamW, precision)
-    with testing.simulated_device(seed=0, max_delay_s=0.001) if where == "offloaded" else contextlib.nullcontext():
+    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.001) if where == "offloaded" else contextlib.nullcontext():
         ours = _fit(offload_adam.AdamW, precision)
     for a, b in zip(ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

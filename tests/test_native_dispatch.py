@@ -147,6 +147,47 @@ def test_placement_cpu_on_a_device_decodes_on_the_kernel_as_torch_does() -> None
     assert agree_where_decided(results[True], results[False]) >= 2
 
 
+def test_a_quantized_block_run_on_the_cpu_of_a_device_reaches_the_kernel() -> None:
+    """CUDA review, second pass, hazard 4: a quantized weight rebuilt on the device reports the
+    device for good, while a block run on the CPU points its inner tensors at host bytes; judged
+    by the wrapper's device the kernel never ran (torchao's torch path instead, 13-20x slower).
+    On the simulated device (its own device type) the wrapper reports ``simgpu``, as on a GPU."""
+    torchao_q = pytest.importorskip("torchao.quantization")
+    model = llama(seed=8)
+    torchao_q.quantize_(model, torchao_q.Int8WeightOnlyConfig())
+    x = prompt(1, 1, seed=8)
+    with testing.simulated_device(seed=8, max_delay_s=0.0) as sim:
+        h = offload_adam.offload_weights(model, placement="cpu", prefetch=1)
+        w = model.model.layers[0].mlp.down_proj.weight
+        assert w.device == sim.torch_device  # the wrapper reports the device
+        with torch.no_grad():
+            model(x.to(sim.torch_device))
+        assert h.report()["native_calls"] == LINEARS  # every linear of the CPU-run blocks: the head too
+        h.close()
+    assert sim.violations == []
+
+
+def test_a_frozen_base_trained_on_the_cpu_leaves_no_mode_behind(nvme_dir: str) -> None:
+    """CUDA review, second pass, 9: on device="cpu" a streamed block with frozen quantized weights
+    enters FrozenLinearMode (global hooks) and then its CPU-run call NativeMatmul (module hooks),
+    above it; FrozenLinearMode's __exit__ popped the top mode (NativeMatmul), whose leave() then
+    pushed FrozenLinearMode back: one mode leaked per block call, F.linear slowing with each."""
+    pytest.importorskip("torchao.quantization")
+    from test_quantized import adapters, qlora
+
+    model = qlora(4)
+    h = offload_adam.offload_weights(
+        model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=1, native_matmul=True, resident=lambda n, p: p.requires_grad
+    )  # fmt: skip
+    x = torch.randint(1, 256, (2, 7), generator=torch.Generator().manual_seed(4))  # (test_weights' vocabulary)
+    for _ in range(2):
+        out = model(x[:, :-1]).logits.float()
+        torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).backward()
+        assert no_mode_left()
+    assert all(p.grad is not None for p in adapters(model))
+    h.close()
+
+
 def test_training_on_the_cpu_runs_torchs_kernels() -> None:
     """A forward that builds a graph (device="cpu", whose calls all run on the CPU), of one row
     (decode-sized): torch's kernels, the logits and gradients bitwise the resident model's; the same

@@ -155,7 +155,7 @@ def test_offloaded_groups_bitwise_equal_to_ram_tier(nvme_dir: str, mode: dict[st
     micro = mode.pop("accumulate", 1)
     outs = []
     for tier in ("nvme", "cpu"):
-        with testing.simulated_device(seed=3, max_delay_s=0.001) as dev:
+        with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.001) as dev:
             torch.manual_seed(0)
             m = Net()
             extra = {"offload": "nvme", "nvme_dir": nvme_dir} if tier == "nvme" else {}
@@ -374,7 +374,7 @@ def test_io_fault_mid_step_then_exact_continuation(io: str, nvme_dir: str, op: s
 def test_io_fault_in_an_offloaded_step_then_exact_continuation(nvme_dir: str) -> None:
     outs = []
     for fault in (True, False):
-        with testing.simulated_device(seed=2, max_delay_s=0.001):
+        with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.001):
             torch.manual_seed(0)
             m = Net()
             opt = AdamW(m.parameters(), lr=1e-2, bucket_mb=0.005, offload="nvme", nvme_dir=nvme_dir, nvme_read_ahead=0)

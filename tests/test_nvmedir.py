@@ -112,7 +112,7 @@ def use_weights(nvme_dir: str, after_close: Callable[[], None] = _nothing) -> No
 
 
 def use_activations(nvme_dir: str, after_close: Callable[[], None] = _nothing) -> None:
-    with testing.simulated_device(seed=0, max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
         m = _Blocks()
         x = torch.randn(64, 64, requires_grad=True)
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:

@@ -28,7 +28,7 @@ def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice]:
     callspec = getattr(request.node, "callspec", None)
     seed = callspec.params.get("seed", 0) if callspec is not None else 0
     delay = callspec.params.get("delay", 0.003) if callspec is not None else 0.003
-    with testing.simulated_device(seed=seed, max_delay_s=delay) as dev:
+    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=delay) as dev:
         yield dev
     assert dev.violations == []
 

@@ -23,6 +23,7 @@ import torch
 import offload_adam
 from offload_adam import testing
 
+from helpers import to_device
 from test_weights import fault_and_recover, gpt2, llama, nvme_dir, prompt, run  # noqa: F401 (nvme_dir: a fixture)
 
 torchao_q = pytest.importorskip("torchao.quantization")
@@ -156,10 +157,10 @@ def test_the_quantized_bytes_cross_and_are_stored(nvme_dir: str) -> None:
         with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
             h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, **NATIVE_OFF)
             with torch.no_grad():
-                model(x)
+                model(to_device(x))
             h.reset_stats()
             with torch.no_grad():
-                model(x)
+                model(to_device(x))
             r = h.report()
             looked_up = sum(h.blocks[i].nbytes for i in h.streamed if i in h.placer.host_only)
             parts = sum(len(e.parts) for b in h.blocks for e in b.entries)
@@ -322,7 +323,7 @@ def status(key):
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
 
 cfg = transformers.LlamaConfig(
-    num_hidden_layers=12, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
+    num_hidden_layers=24, hidden_size=1024, intermediate_size=2816, num_attention_heads=8, num_key_value_heads=4,
     vocab_size=256, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
 )
 if sys.argv[1] == "save":
@@ -352,15 +353,18 @@ h.close()
 
 
 def test_quantize_on_load_never_holds_the_full_precision_model(tmp_path: Any) -> None:
-    """A 283 MB bfloat16 checkpoint (12 layers of 24 MB) loaded into an empty model with
+    """A 567 MB bfloat16 checkpoint (24 layers of 24 MB) loaded into an empty model with
     quantize=Int8WeightOnlyConfig(), in a fresh process: the host's peak grows by at most the
-    quantized model, two full-precision blocks and 64 MiB (less than the full-precision model)."""
+    quantized model, two full-precision blocks and 128 MiB of the allocator's slack (less than the
+    full-precision model). (12 layers and 64 MiB of slack were too close to this machine's noise:
+    the growth varied by about 20 MiB from run to run, 234 to 257 MiB against a bound of 245; with
+    24 layers 371 to 392 against 445, where the model held whole would be 541 more.)"""
     ckpt = str(tmp_path / "model.safetensors")
     subprocess.run([sys.executable, "-c", _LOAD_RSS, "save", ckpt], check=True, timeout=300)
     r = subprocess.run([sys.executable, "-c", _LOAD_RSS, "load", ckpt], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     full, layer, stored, grew = map(int, r.stdout.split()[-4:])
-    bound = stored + 2 * layer + (64 << 20)
+    bound = stored + 2 * layer + (128 << 20)
     assert bound < full  # (the bound tells loading the model whole from loading it block by block)
     assert stored < 0.55 * full and grew <= bound, (grew / 2**20, bound / 2**20, full / 2**20)
 
@@ -382,8 +386,8 @@ class LoRA(torch.nn.Module):
         return self.base(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.A), self.B)
 
 
-def qlora(seed: int) -> torch.nn.Module:
-    model = llama(torch.bfloat16, seed, layers=3).train()
+def qlora(seed: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    model = llama(dtype, seed, layers=3).train()
     torchao_q.quantize_(model, CONFIGS["int8"]())
     for p in model.parameters():
         p.requires_grad_(False)
@@ -410,6 +414,7 @@ def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_bas
     data = [torch.randint(1, 256, (2, 9), generator=g) for _ in range(12)]
 
     def step(m: torch.nn.Module, opt: Any, x: torch.Tensor, hooks: Any = contextlib.nullcontext()) -> None:
+        x = to_device(x)
         with hooks:  # (what the forward saves: the backward's own recompute saves for itself)
             out = m(x[:, :-1]).logits.float()
             loss = torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten())
@@ -417,9 +422,12 @@ def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_bas
         opt.step()
         opt.zero_grad()
 
-    ref_opt = offload_adam.AdamW(adapters(ref), lr=1e-2, weight_decay=0.01)
-    for x in data:
-        step(ref, ref_opt, x)
+    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:  # the base resident on the device
+        ref.to(sim.torch_device)
+        ref_opt = offload_adam.AdamW(adapters(ref), lr=1e-2, weight_decay=0.01)
+        for x in data:
+            step(ref, ref_opt, x)
+        ref.cpu()
     shapes = {tuple(p.shape) for p in model.parameters() if hasattr(p, "qdata")}
     shapes |= {s[::-1] for s in shapes}
     saved: list[tuple[int, ...]] = []
@@ -455,6 +463,38 @@ def test_a_lora_adapter_over_a_streamed_int8_base_trains_bitwise_as_over_the_bas
     for i in got:
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got[i][key], want[i][key]), (i, key)
+
+
+def test_a_frozen_base_under_autocast_recomputes_in_the_backward_under_the_forwards_autocast() -> None:
+    """CUDA review, second pass, hazard 5: the frozen linear's backward recomputes the base's
+    F.linear for the input's gradient; a custom Function's backward runs with the backward
+    thread's autocast state (off), so under autocast an fp32 model's base ran an fp32 GEMM there,
+    other bits than the resident layer's bf16 one. Under CPU autocast (bf16) over an fp32 model,
+    3 steps on the adapters are bitwise the training with the base resident. (The simulated
+    device in its former mode: its own device type has no autocast yet.)"""
+    model = qlora(9, torch.float32)
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(9)
+    data = [torch.randint(1, 256, (2, 9), generator=g) for _ in range(3)]
+
+    def train(m: torch.nn.Module) -> None:
+        opt = offload_adam.AdamW(adapters(m), lr=1e-2)
+        for x in data:
+            with torch.autocast("cpu", torch.bfloat16):
+                out = m(x[:, :-1]).logits.float()
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    train(ref)
+    with testing.simulated_device(seed=9, max_delay_s=0.001, host_memory=True) as sim:
+        h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, resident=lambda n, p: p.requires_grad, **NATIVE_OFF)
+        train(model)
+        h.close()
+    assert sim.violations == []
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert torch.equal(p, q), n
 
 
 def test_resident_takes_a_function_of_parameters_kept_on_the_device_with_streaming_only() -> None:

@@ -29,7 +29,7 @@ def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice]:
     """Every test runs on a simulated device; tests parametrized by ``seed`` under several."""
     callspec = getattr(request.node, "callspec", None)
     seed = callspec.params.get("seed", 0) if callspec is not None else 0
-    with testing.simulated_device(seed=seed, max_delay_s=0.002) as dev:
+    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.002) as dev:
         yield dev
     assert dev.violations == []
 
@@ -414,7 +414,7 @@ def test_profiler_sees_named_ranges() -> None:
 
 
 def test_streaming_is_reported_by_the_package(sim: SimulatedDevice) -> None:
-    """Inside `testing.simulated_device()` the runtime streams CPU tensors through it; outside,
+    """Inside `testing.simulated_device(host_memory=True, host_memory=True)` the runtime streams CPU tensors through it; outside,
     and in the product's own imports, there is no simulator."""
     assert device_for(torch.device("cpu")) is sim
     assert testing.active_device() is sim

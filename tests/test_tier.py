@@ -65,7 +65,7 @@ class EvictingTier(HostTier):
 @pytest.fixture(params=["direct", "streamed"])
 def mode(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param == "streamed":
-        with testing.simulated_device(seed=1, max_delay_s=0.002):
+        with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.002):
             yield request.param
     else:
         yield request.param

@@ -20,6 +20,8 @@ import offload_adam
 from offload_adam import testing
 from offload_adam.testing.simdevice import SimulatedDevice
 
+from helpers import to_device, to_host
+
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
 
@@ -54,11 +56,12 @@ def prompt(seed: int = 1) -> torch.Tensor:
 @torch.no_grad()
 def run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The logits of one forward, and the tokens of a 24-token greedy generate."""
+    x = to_device(x)
     logits = model(x).logits
     tokens = model.generate(
         x, attention_mask=torch.ones_like(x), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0
     )
-    return logits, tokens
+    return to_host(logits), to_host(tokens)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -110,7 +113,7 @@ def test_logits_and_generate_are_bitwise_the_resident_models(
         # embedding's only as the rows it looks up on the host (GPT-2's position embedding).
         h.reset_stats()
         with torch.no_grad():
-            model(x)
+            model(to_device(x))
         rep = h.report()
         looked_up = sum(h.blocks[i].nbytes for i in h.streamed if i in h.placer.host_only)
         assert rep["h2d_bytes"] == rep["streamed_bytes"] - looked_up and rep["on_demand_loads"] == 0
@@ -288,7 +291,7 @@ def test_a_forward_in_another_order_is_exact_and_recorded_again(seed: int, prefe
     with testing.simulated_device(seed=seed, max_delay_s=0.001), torch.no_grad():
         h = offload_adam.offload_weights(model, prefetch=prefetch)
         for k, order in enumerate(orders):
-            assert torch.equal(model(x, order), ref(x, order)), k
+            assert torch.equal(to_host(model(to_device(x), order)), ref(x, order)), k
             if k and order == orders[k - 1]:
                 assert h.report()["on_demand_loads"] == 0, k  # the order recorded on the pass before
             h.reset_stats()
@@ -302,7 +305,7 @@ def test_a_weight_read_outside_its_blocks_forward_is_nan() -> None:
     with testing.simulated_device(max_delay_s=0.0) as sim:
         h = offload_adam.offload_weights(model)
         with torch.no_grad():
-            model(prompt())
+            model(to_device(prompt()))
         w = model.transformer.h[0].attn.c_attn.weight
         assert w.isnan().all() and w.untyped_storage().nbytes() <= 4 and w.device == sim.torch_device
         h.close()
@@ -338,12 +341,12 @@ def test_user_blocks() -> None:
         t.pair = torch.nn.ModuleList([t.h[2], t.h[3]])  # a module of the model
         blocks = make(t)
         x = prompt()
+        want = run(ref, x)
         with testing.simulated_device(seed=4, max_delay_s=0.001):
             h = offload_adam.offload_weights(model, blocks=blocks)
             names = {id(m): n for n, m in model.named_modules()}
             assert [b.name for b in h.blocks] == [names[id(m)] for m in blocks]
             got = run(model, x)
-            want = run(ref, x)
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
             h.close()
 
@@ -355,7 +358,7 @@ def fault_and_recover(h: Any, model: torch.nn.Module, x: torch.Tensor, want: tor
     """An EIO on a read, or a corrupted page of block 3: a clear OSError naming the file and the
     block; once the fault is cleared, the next forwards are exact (the NVMe tests of weights
     streamed and of weights run on the CPU)."""
-    assert torch.equal(model(x).logits, want)
+    assert torch.equal(to_host(model(to_device(x)).logits), want)
     src = h.source
     path = os.path.join(src.run.path, "weights.bin")
     victim = h.blocks[3]
@@ -372,13 +375,13 @@ def fault_and_recover(h: Any, model: torch.nn.Module, x: torch.Tensor, want: tor
         match = rf"weights\.bin: the page of block {victim.index} \({victim.name}\) is corrupted \(checksum mismatch\)"
     with pytest.raises(OSError, match=match):
         for _ in range(3):
-            model(x)
+            model(to_device(x))
     if fault == "corrupt":
         with open(path, "r+b") as f:
             f.seek(off + 100)
             f.write(good)
     for _ in range(2):
-        assert torch.equal(model(x).logits, want)
+        assert torch.equal(to_host(model(to_device(x)).logits), want)
 
 
 @pytest.mark.parametrize("fault", ["eio", "corrupt"])
@@ -407,7 +410,7 @@ def test_nvme_staging_is_reused_only_after_its_copy(prefetch: int, seed: int, nv
     with testing.simulated_device(seed=seed, max_delay_s=0.02), torch.no_grad():
         h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch)
         for _ in range(3):
-            assert torch.equal(model(x).logits, want)
+            assert torch.equal(to_host(model(to_device(x)).logits), want)
         h.close()
 
 
@@ -438,7 +441,7 @@ def test_close_waits_for_a_forward_on_a_user_stream_before_freeing_the_ring() ->
         sizes = [s.buf.numel() for s in h.streamer.ring.slots]
         user = sim.stream()
         with sim.use_stream(user), torch.no_grad():
-            model(x)
+            model(to_device(x))
         h.close()
         taken = [sim.empty(n, torch.uint8) for n in sizes]  # the next allocations get the ring's memory
         assert sim.counters()["reuses"] >= len(sizes)
@@ -481,12 +484,13 @@ def test_autocast_keeps_no_copy_of_a_streamed_weight(arch: str) -> None:
     x = prompt(7)
     with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
         want = ref(x).logits
-    with testing.simulated_device(seed=7, max_delay_s=0.001):
+    # (The former mode, whose device memory is the CPU's: the simulated device has no autocast.)
+    with testing.simulated_device(seed=7, max_delay_s=0.001, host_memory=True):
         h = offload_adam.offload_weights(model, prefetch=1)
         watch = _Casts({s.buf.untyped_storage().data_ptr() for s in h.streamer.ring.slots})
         with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
             with watch:
-                got = model(x).logits
+                got = to_host(model(to_device(x)).logits)
             assert watch.casts and watch.alive() == 0  # (inside the autocast region: its cache would hold them)
         assert torch.equal(got, want)
         h.close()
@@ -505,7 +509,7 @@ def test_close_after_a_corrupted_page_frees_everything_and_names_what_is_lost(nv
     x = prompt()
     with testing.simulated_device(seed=5, max_delay_s=0.001) as sim, torch.no_grad():
         h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir, prefetch=1)
-        model(x)
+        model(to_device(x))
         victim = h.blocks[3]
         path = os.path.join(h.source.run.path, "weights.bin")
         with open(path, "r+b") as f:

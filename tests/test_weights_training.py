@@ -150,7 +150,7 @@ def test_training_is_bitwise_the_resident_trainings(arch: str, dtype: torch.dtyp
     kw, loop = MODES[mode]
     steps = 12
     data = batches(steps * loop.get("accumulate", 1), seed)
-    with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.001) as sim:
         model, ref, h = twins(arch, dtype, seed, prefetch=1 + seed % 2)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
@@ -179,7 +179,7 @@ def test_compact_state_trains_streamed_weights_bitwise_as_on_the_cpu(arch: str, 
     ref = MODELS[arch](dtype, seed)
     ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
     train(ref, ropt, data)
-    with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.001) as sim:
         model = MODELS[arch](dtype, seed)
         h = offload_adam.offload_weights(model, prefetch=1)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
@@ -219,7 +219,7 @@ def test_bytes_per_step_and_activation_checkpointing(arch: str, checkpointing: s
     """Each streamed weight crosses twice a step (forward and backward) in the model's dtype, each
     gradient once, nothing else (no copy-back); with torch.utils.checkpoint the recompute streams
     the block again, and its copy serves the block's backward too (still twice)."""
-    with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.001) as sim:
         model, ref, h = twins(arch, torch.bfloat16, 3, prefetch=2)
         if checkpointing:
             for m in (model, ref):
@@ -251,7 +251,7 @@ def test_bytes_per_step_and_activation_checkpointing(arch: str, checkpointing: s
 def test_grad_scaler_with_fp16_weights() -> None:
     """GradScaler hands the step its scale and inf flag (the kernel unscales); steps with an
     inf are skipped on both twins alike (the small initial growth interval makes some)."""
-    with testing.simulated_device(seed=4, max_delay_s=0.001):
+    with testing.simulated_device(host_memory=True, seed=4, max_delay_s=0.001):
         model, ref, h = twins("llama", torch.float16, 4)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3)
@@ -272,7 +272,7 @@ def test_resident_blocks_and_the_nvme_state_tier(offload: str, nvme_dir: str) ->
     """Whole blocks resident within gpu_budget_gb keep the offloaded path with its copy-back, in
     the same param groups as the streamed ones; the state on NVMe pages as before."""
     nv = {"offload": "nvme", "nvme_dir": nvme_dir} if offload == "nvme" else {}
-    with testing.simulated_device(seed=5, max_delay_s=0.001):
+    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.001):
         model = llama(torch.bfloat16, 5)
         ref = copy.deepcopy(model)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -295,7 +295,7 @@ def test_resident_blocks_and_the_nvme_state_tier(offload: str, nvme_dir: str) ->
 
 
 def test_bad_combinations_are_refused_before_anything_changes(nvme_dir: str) -> None:
-    with testing.simulated_device(max_delay_s=0.0):
+    with testing.simulated_device(host_memory=True, max_delay_s=0.0):
         model = gpt2(torch.float32, layers=2)
         h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir)
         with pytest.raises(ValueError, match=r"streamed from NVMe .* train with offload_weights\(storage='cpu'\)"):
@@ -321,7 +321,7 @@ def test_train_weights_bench_reports_bytes_and_breakdown() -> None:
     copy-back and its weights up about twice a step, the resident one copying back."""
     from offload_adam.tools import train_weights_bench
 
-    with testing.simulated_device(max_delay_s=0.0, lazy=False):
+    with testing.simulated_device(host_memory=True, max_delay_s=0.0, lazy=False):
         res = train_weights_bench._measure(layers=2, d=64, vocab=256, batch=2, seq=8, rounds=2, prefetch=1, cuda=False)
     s, r = res["streamed (offload_weights)"], res["resident, optimizer offloaded"]
     assert s["h2d_bytes_copy_back"] == 0 and r["h2d_bytes_copy_back"] > 0
@@ -339,7 +339,7 @@ def test_an_eval_pass_after_training_never_refills_a_slot_compute_may_still_read
     happens-before check sees the copy that does not; the logits stay bitwise the resident
     model's."""
     data = batches(3, 5)
-    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float32, 5, prefetch=prefetch)
         assert model.lm_head.weight is not model.model.embed_tokens.weight
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3)
@@ -370,7 +370,7 @@ def test_autocast_training_recasts_streamed_weights_in_the_backward() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     data = batches(4, 8)
-    with testing.simulated_device(seed=8, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=8, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float32, 8, prefetch=1)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3, bucket_mb=0.05)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, bucket_mb=0.05)
@@ -409,7 +409,7 @@ def test_the_context_manager_around_training_hands_the_trained_model_back() -> N
     of raising; the optimizer then refuses to step the released weights, and its state_dict()
     still works."""
     data = batches(4, 9)
-    with testing.simulated_device(seed=9, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=9, max_delay_s=0.001) as sim:
         model = MODELS["gpt2"](torch.float32, 9)
         ref = copy.deepcopy(model)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05)
@@ -435,7 +435,7 @@ def test_an_eval_call_on_the_cpu_right_after_an_async_step_reads_the_stepped_wei
     may still be writing; the call waits the block's fences first. The eval right after each
     async step is bitwise the resident model's (trained the same way, synchronously)."""
     data = batches(4, 7)
-    with testing.simulated_device(seed=7, max_delay_s=0.001) as sim:
+    with testing.simulated_device(host_memory=True, seed=7, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float32, 7, prefetch=1, placement="cpu")
         opt = offload_adam.AdamW(model.parameters(), lr=1e-2, async_step=True)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-2)

@@ -23,6 +23,8 @@ import offload_adam
 from offload_adam import testing
 from offload_adam.runtime import pages
 
+from helpers import to_device, to_host
+
 from test_weights import gpt2, llama, nvme_dir, prompt  # noqa: F401 (nvme_dir: a fixture)
 
 NATIVE_OFF: dict[str, Any] = {"native_matmul": False}  # (bitwise against the model resident: see test_quantized)
@@ -88,7 +90,8 @@ def writes_failing(after: int = 2) -> Iterator[None]:
 
 @torch.no_grad()
 def logits(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return model(x).logits
+    """The logits, on the host; the ids on the simulated device inside one (as a user moves them)."""
+    return to_host(model(to_device(x)).logits)
 
 
 # -- storing --------------------------------------------------------------------------------------

@@ -95,7 +95,7 @@ class OffloadedStep:
     timeout = 300
 
     def setup(self, numel: int, threads: int) -> None:
-        with testing.simulated_device(max_delay_s=0.0, lazy=False, copies_on_demand=True, keep_open=True):
+        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, copies_on_demand=True, keep_open=True):
             self.ps = _params(numel, torch.float32)
             self.opt = offload_adam.AdamW(self.ps, lr=1e-4, num_threads=threads, bucket_mb=8)
         self.opt.step()

@@ -236,7 +236,7 @@ class ActivationOffload:
         dev = self.device
         nbytes = st.nbytes()
         region = self.pool.alloc(nbytes)
-        src = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st)
+        src = t.detach().as_strided((nbytes // t.element_size(),), (1,), 0).view(torch.uint8)  # its whole storage
         # After the work that made the tensor (the compute stream, now), and after the copies
         # that used the region before (another storage's, released).
         dev.stream_waits(dev.d2h, dev.record_current())
@@ -411,6 +411,10 @@ class ActivationOffload:
         stream = dev.h2d_now if now else dev.h2d
         host = self._host_of(item)
         buf = dev.empty(item.nbytes, torch.uint8, self.meter)
+        # The caching allocator hands out memory the compute freed at once: queued kernels may
+        # still read it (an earlier node's activation or gradient). The copy waits for them
+        # (CUDA review, second pass, hazard 2).
+        dev.stream_waits(stream, dev.record_current())
         dev.stream_waits(stream, item.d2h_event)  # the region holds the bytes
         with torch.profiler.record_function("offload_adam.activations_h2d"):
             dev.copy([(buf, host)], stream)
@@ -452,7 +456,7 @@ class ActivationOffload:
             self.stalls.append((e0, dev.record_current(timing=True)))
             if len(self.stalls) > 16:
                 self._fold()
-        return torch.empty(0, dtype=packed.dtype, device=buf.device).set_(buf.untyped_storage(), packed.offset, packed.shape, packed.stride)
+        return buf.view(packed.dtype).as_strided(packed.shape, packed.stride, packed.offset)
 
     # -- reports and the end --------------------------------------------------------------------
 

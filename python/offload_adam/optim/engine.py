@@ -63,9 +63,10 @@ class _Failure:
 def _device_for(dev: torch.device, gi: int, current: Device | None) -> Device | None:
     """The device group ``gi``'s parameters stream through (None: host memory, stepped in
     place); one per optimizer (``current``: the other groups')."""
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)")
-    device = device_for(dev)
+    try:
+        device = device_for(dev)
+    except ValueError:
+        raise ValueError(f"param group {gi}: parameters on {dev} are not supported (CPU or CUDA)") from None
     if device is None or current is None or current is device:
         return device
     if dev.type == "cuda":

@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 
 from .. import _native
 from ..runtime import checks
+from ..runtime.device import device_for
 from . import ddp, state_io
 from .engine import Engine
 from .hyper import check_init, hyper, to_scalar
@@ -232,6 +233,16 @@ def _config(
         nvme_read_ahead=nvme_read_ahead,
     )
 
+
+
+def _accelerator(p: Tensor) -> bool:
+    """``p`` is on an accelerator the runtime streams through (not the CPU)."""
+    if p.device.type in ("cpu", "meta"):
+        return False
+    try:
+        return device_for(p.device) is not None
+    except ValueError:
+        return False
 
 class Adam(Optimizer):
     __doc__ = _optimizer_doc("Adam")
@@ -446,9 +457,10 @@ class Adam(Optimizer):
                 group["param_names"] = [names[id(p)] for p in unique]
         for i, p in enumerate(group["params"]):
             name = self._name(group, gi, i)
-            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__ and not is_dtensor(p):
+            if type(p).__torch_dispatch__ is not Tensor.__torch_dispatch__ and not is_dtensor(p) and not _accelerator(p):
                 # A wrapper subclass has no memory of its own to update in place; a DTensor
-                # (FSDP2) is stepped through its local shard.
+                # (FSDP2) is stepped through its local shard; a tensor of a device the runtime
+                # streams through (the test suite's simulated GPU) is streamed as a GPU's.
                 raise TypeError(
                     f"{name}: a {type(p).__name__} is not supported: it has no memory of its own to update "
                     "in place; pass plain tensors, or DTensors (FSDP2) whose local shards are plain tensors"

@@ -386,13 +386,14 @@ HOST = HostDevice()
 
 _cuda: dict[int, CudaDevice] = {}
 _cuda_lock = threading.Lock()
-_cpu: ContextVar[Device | None] = ContextVar("offload_adam_cpu_device", default=None)
+_installed: ContextVar[Device | None] = ContextVar("offload_adam_installed_device", default=None)
 
 
 def device_for(dev: torch.device) -> Device | None:
     """The process's :class:`Device` for ``dev``: the one :class:`CudaDevice` of a CUDA device;
-    for the CPU, the device installed by :func:`use_device` (CPU tensors then count as its
-    memory), else None (CPU tensors are host memory). Other device types raise."""
+    the device installed by :func:`use_device` for its own device type (the test suite's
+    simulated GPU; in its former mode, the CPU's type: CPU tensors then count as its memory);
+    else None for the CPU (CPU tensors are host memory). Other device types raise."""
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         with _cuda_lock:
@@ -400,39 +401,81 @@ def device_for(dev: torch.device) -> Device | None:
             if d is None:
                 d = _cuda[index] = CudaDevice(torch.device("cuda", index))
             return d
+    installed = _installed.get()
+    if installed is not None and installed.torch_device.type == dev.type and (dev.index in (None, installed.torch_device.index) or dev.type == "cpu"):
+        return installed
     if dev.type == "cpu":
-        return _cpu.get()
+        return None
     raise ValueError(f"{dev}: not supported (CPU or CUDA)")
+
+
+def default_device() -> Device | None:
+    """The accelerator a client streams to when it is given none: the device installed by
+    :func:`use_device` (the test suite's simulated GPU), else the current CUDA device, else None."""
+    installed = _installed.get()
+    if installed is not None:
+        return installed
+    if torch.cuda.is_available():
+        return device_for(torch.device("cuda", torch.cuda.current_device()))
+    return None
 
 
 @contextlib.contextmanager
 def use_device(dev: Device) -> Iterator[Device]:
-    """Inside, CPU tensors are streamed as memory of ``dev``: what is built here (an optimizer,
-    an offload of weights) keeps using it afterwards."""
-    token = _cpu.set(dev)
+    """Inside, ``dev`` is an accelerator of its own device type (``dev.torch_device``): tensors
+    there are its memory, and it is the default device, as the GPU is on a GPU machine. What is
+    built here (an optimizer, an offload of weights) keeps using it afterwards."""
+    token = _installed.set(dev)
     try:
         yield dev
     finally:
-        _cpu.reset(token)
+        _installed.reset(token)
 
 
 def stream_device(device: Any, why: str) -> Device:
-    """The Device a client streams to: ``device`` (a CUDA device), or by default the simulated
-    device installed on the CPU (``offload_adam.testing.simulated_device()``), else the current
-    CUDA device. ``why`` ends the error where there is none ("offload_weights streams weights
-    to a GPU")."""
+    """The Device a client streams to: ``device`` (an accelerator), or by default
+    :func:`default_device`. ``why`` ends the error where there is none ("offload_weights streams
+    weights to a GPU")."""
     if device is None:
-        sim = device_for(torch.device("cpu"))  # installed by offload_adam.testing.simulated_device()
-        if sim is not None:
-            return sim
-        if not torch.cuda.is_available():
+        dev = default_device()
+        if dev is None:
             raise ValueError(f"device: no CUDA device here ({why})")
-        device = torch.device("cuda", torch.cuda.current_device())
+        return dev
     d = torch.device(device)
-    if d.type != "cuda" and not (d.type == "cpu" and device_for(d) is not None):
+    if d.type == "cpu" and device_for(d) is None:
         raise ValueError(f"device: {d} is not a CUDA device")
     if d.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: no CUDA device here ({why})")
-    dev = device_for(d)
+    try:
+        dev = device_for(d)
+    except ValueError:
+        raise ValueError(f"device: {d} is not a CUDA device") from None
     assert dev is not None
     return dev
+
+
+def set_data(t: Tensor, data: Tensor) -> None:
+    """``t.data = data``, also where torch refuses it because the two are tensors of different
+    kinds: a device whose tensors are a Python subclass (the test suite's simulated GPU) against
+    a CPU tensor. On CUDA (dense tensors on both sides) it is always the plain assignment; where
+    it is refused, ``t``'s contents are swapped (:func:`swap`) for a tensor of ``data``'s kind."""
+    if torch._has_compatible_shallow_copy_type(t, data):
+        t.data = data
+        return
+    swap(t, torch.nn.Parameter(data, requires_grad=t.requires_grad) if isinstance(t, torch.nn.Parameter) else data.detach())
+
+
+def swap(t: Tensor, new: Tensor) -> None:
+    """``t`` takes ``new``'s tensor and class while the Python object stays, and with it every
+    module holding it, every tie and its attributes: ``torch.utils.swap_tensors`` without its
+    check of weak references (the offload keeps the parameters it hosts, and the native matmul
+    its verdicts, in weak registries keyed by identity, which is what stays). The attributes the
+    old class itself declares (a subclass's, with its memory) go with the old contents."""
+    kind = vars(type(t)).get("__annotations__", {}) if type(t) not in (Tensor, torch.nn.Parameter) else {}
+    mine, theirs = dict(t.__dict__), dict(new.__dict__)
+    t.__class__, new.__class__ = new.__class__, t.__class__
+    torch._C._swap_tensor_impl(t, new)
+    t.__dict__.clear()
+    t.__dict__.update({**{k: v for k, v in mine.items() if k not in kind}, **theirs})
+    new.__dict__.clear()
+    new.__dict__.update(mine)  # (what ``t`` was, whole: swapping back restores it)

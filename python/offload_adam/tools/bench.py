@@ -99,7 +99,7 @@ def _ours_offloaded(shapes: Shapes, threads: int) -> Contender:
     copies run only when waited for (a GPU's copy engine takes none of the cores the kernel
     uses). Before each timed step a backward (untimed) streams the gradients to the host landing
     buffers, and ``clip_grad_norm_(inf)`` waits for their arrival, as after a GPU's backward."""
-    with testing.simulated_device(max_delay_s=0.0, lazy=False, copies_on_demand=True, keep_open=True):
+    with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, copies_on_demand=True, keep_open=True):
         ps = _params(shapes, torch.float32)
         opt = AdamW(ps, lr=1e-4, num_threads=threads)
     grads: list[torch.Tensor] = [p.grad for p in ps if p.grad is not None]

@@ -164,7 +164,7 @@ def run(*, rounds: int, prefetch: int) -> dict[str, Any]:
     if cuda:
         res = _measure(layers=16, d=2048, vocab=32000, batch=4, seq=512, rounds=rounds, prefetch=prefetch, cuda=True)
     else:
-        with testing.simulated_device(max_delay_s=0.0, lazy=False):
+        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False):
             res = _measure(layers=4, d=256, vocab=2048, batch=2, seq=64, rounds=rounds, prefetch=prefetch, cuda=False)
     where = "GPU" if cuda else "SIMULATED device on the CPU: times are the CPU's, not a GPU's; the bytes are a GPU's"
     print(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime.device import set_data, swap
 from ..runtime.pinned import align_up
 
 TENSOR_ALIGN = 256  # bytes: every tensor of a block starts on it (as the caching allocator aligns: kernels see the same alignment)
@@ -145,7 +146,7 @@ class Entry:
         """Points the parameter at ``parts`` (as :meth:`tensors` returns them): a plain one's
         ``.data``, a wrapped one's inner tensors."""
         if not self.wrapped:
-            self.param.data = parts[0]
+            set_data(self.param, parts[0])
             return
         for q, t in zip(self.parts, parts):
             setattr(self.param, q.attr, t)  # type: ignore[arg-type]
@@ -160,8 +161,8 @@ class Entry:
         p = self.param
         if p.device.type == "meta" or (self.wrapped and p.device != parts[0].device):
             new = self.rebuild(parts)
-            torch.utils.swap_tensors(p, new)  # (`new` holds what `p` was)
-            return lambda: torch.utils.swap_tensors(p, new)
+            swap(p, new)  # (`new` holds what `p` was)
+            return lambda: swap(p, new)
         old = self.tensors()
         self.bind(parts)
         return lambda: self.bind(old)

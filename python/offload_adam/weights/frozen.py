@@ -14,6 +14,7 @@ gets no gradient.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -30,12 +31,19 @@ class FrozenLinear(torch.autograd.Function):
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.bias = bias  # (no gradient wanted: not saved for one)
+        # The forward's autocast state, for the backward's recompute (a custom Function's
+        # backward runs with the backward thread's, normally off: an fp32 GEMM over an fp32
+        # dequantized copy where the layer resident ran bf16; CUDA review, second pass, hazard 5).
+        kind = x.device.type
+        ctx.amp = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) if kind in ("cuda", "cpu") else None
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         x, weight = ctx.saved_tensors
-        with torch.enable_grad():
+        amp = ctx.amp
+        autocast = torch.autocast(amp[0], dtype=amp[2], enabled=amp[1]) if amp is not None else contextlib.nullcontext()
+        with torch.enable_grad(), autocast:
             xd = x.detach().requires_grad_(True)
             y = F.linear(xd, weight, ctx.bias)
         (gx,) = torch.autograd.grad(y, xd, grad)

@@ -128,15 +128,20 @@ def weight_parts(weight: Tensor) -> WeightParts | str:
         return f"not a tensor ({type(weight).__name__})"
     if weight.dim() != 2:
         return f"weight is {weight.dim()}-D, not 2-D"
-    if weight.device.type != "cpu":
-        return f"weight is on {weight.device}, not the CPU"
     flatten = getattr(weight, "__tensor_flatten__", None)
-    if flatten is None or type(weight) in (Tensor, torch.nn.Parameter):
+    plain = flatten is None or type(weight) in (Tensor, torch.nn.Parameter)
+    # A wrapped weight is judged by its inner tensors, where its bytes are: one rebuilt on a GPU
+    # reports that device for good, while a block run on the CPU points its inner tensors at
+    # host bytes (CUDA review, second pass, hazard 4).
+    if plain and weight.device.type != "cpu":
+        return f"weight is on {weight.device}, not the CPU"
+    if plain:
         if weight.dtype != torch.bfloat16:
             return f"plain {weight.dtype} weight (the kernel reads bfloat16, int8 or fp8 weights)"
         if not weight.is_contiguous():
             return "bfloat16 weight is not contiguous"
         return WeightParts("bf16", weight.detach(), None)
+    assert flatten is not None
     names, ctx = flatten()
     inner = {n: getattr(weight, n) for n in names}
     if set(inner) - {"qdata", "scale", "zero_point"} or not {"qdata", "scale"} <= set(inner):
@@ -147,6 +152,8 @@ def weight_parts(weight: Tensor) -> WeightParts | str:
     kind = _KIND_OF_DTYPE.get(q.dtype)
     if kind not in ("int8", "fp8") or type(q) is not Tensor or type(s) is not Tensor:
         return f"qdata of dtype {q.dtype} ({type(q).__name__}): the kernel reads int8 or float8_e4m3fn"
+    if not (q.is_cpu and s.is_cpu):
+        return f"its inner tensors are on {q.device}, not the CPU"
     out = weight.shape[0]
     if tuple(q.shape) != tuple(weight.shape) or not q.is_contiguous():
         return f"qdata has shape {tuple(q.shape)} (contiguous: {q.is_contiguous()}), weight {tuple(weight.shape)}"
@@ -201,7 +208,20 @@ def _settled(weight: Tensor) -> bool:
         return False
     names, _ = flatten()
     inner = [getattr(weight, n, None) for n in names]
-    return weight.device.type == "cpu" and all(type(t) is Tensor and t.is_cpu and t.is_contiguous() for t in inner)
+    return all(type(t) is Tensor and t.is_cpu and t.is_contiguous() for t in inner)
+
+
+def leave_mode(mode: TorchFunctionMode) -> None:
+    """``mode`` off the torch-function mode stack, wherever it is on it: a mode entered after it
+    and still active stays, in its place (``__exit__`` pops the top one, whichever it is)."""
+    above: list[Any] = []
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
 
 
 class NativeMatmul(TorchFunctionMode):
@@ -245,16 +265,7 @@ class NativeMatmul(TorchFunctionMode):
         return out
 
     def leave(self) -> None:
-        """Off the torch-function mode stack, wherever it is on it (a mode entered after this one
-        and still active stays, in its place)."""
-        above: list[Any] = []
-        while torch._C._len_torch_function_stack():
-            mode = torch._C._pop_torch_function_stack()
-            if mode is self:
-                break
-            above.append(mode)
-        for mode in reversed(above):
-            torch._C._push_on_torch_function_stack(mode)
+        leave_mode(self)
 
     def _learn(self, w: Tensor) -> tuple[Any, type, Kind | None, torch.dtype]:
         parts = weight_parts(w)

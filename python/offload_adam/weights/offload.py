@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import checks, costs
-from ..runtime.device import HOST, Device, HostDevice, Meter, device_for, stream_device
+from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
@@ -130,7 +130,7 @@ def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
 def _to_meta(e: Entry) -> None:
     """``e``'s parameter (the same object, for every module holding it) onto the meta device: its
     weights are lost, and a read of it fails loudly."""
-    torch.utils.swap_tensors(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
+    swap(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
 
 
 class WeightOffload:
@@ -271,12 +271,16 @@ class WeightOffload:
             undo.add(self.streamer.close)
             # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
             # streamed block's modules that may run there, and with the CPU as the device every block's.
+            # A streamed embedding is looked up on the host under every placement (its rows cross, not
+            # its table): its block's modules get the hooks too.
             self.host_calls: HostCalls | None = None
-            if self.placement != "stream" or num_threads is not None:
-                self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul)
+            looked_up = {i for i in self.streamed if any(isinstance(m, torch.nn.Embedding) for m in self.blocks[i].modules)}
+            if self.placement != "stream" or num_threads is not None or (on_device and looked_up):
+                cpu_runs = self.placement != "stream" or not on_device  # blocks other than lookups run on the CPU
+                self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul if cpu_runs else False)
                 undo.add(self.host_calls.close)
                 for b in self.blocks:
-                    if b.index in self.streamed or not on_device:
+                    if (b.index in self.streamed and (cpu_runs or b.index in looked_up)) or not on_device:
                         for m in b.modules:
                             self.host_calls.attach(m, b.index)
             self.prefetch = prefetch
@@ -307,6 +311,7 @@ class WeightOffload:
             host: Tensor | None = None  # the block's copy in host memory, if it has one
             if resident:
                 outs = [q.shaped(dev.empty(q.numel, q.dtype, self.meter)) for q in b.parts]
+                dev.stream_waits(dev.h2d, dev.record_current())  # after the allocation (memory reused at once)
                 dev.copy_blocking([(o, q.view(dst)) for q, o in zip(b.parts, outs)], dev.h2d)
                 cuts = [0, *itertools.accumulate(len(e.parts) for e in b.entries)]
                 parts = [outs[i:j] for i, j in zip(cuts, cuts[1:])]
@@ -334,7 +339,7 @@ class WeightOffload:
             m._buffers[name] = out  # (undo puts the modules' buffers back)
         for p in self.kept:
             undo.hold(p)
-            p.data = self._to_device(p.detach())
+            set_data(p, self._to_device(p.detach()))
 
     def _unset_homes(self) -> None:
         for i in self.homes:
@@ -436,10 +441,11 @@ class WeightOffload:
             self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
-            self.streamer.close()
-            # Every stream, the user's included: a forward under torch.cuda.stream(s) may still
-            # read the ring this frees (a cold path: one synchronize).
+            # Every stream, the user's included, before the ring is freed: a forward under
+            # torch.cuda.stream(s) may still read it, and memory freed first could go to another
+            # thread's allocation meanwhile (a cold path: one synchronize).
             self.device.synchronize()
+            self.streamer.close()
             for b in self.blocks:
                 if b.index in self.resident:
                     for e in b.entries:
@@ -459,7 +465,7 @@ class WeightOffload:
                     if buf is not None:
                         m._buffers[name] = self._to_host(buf)
             for p in self.kept:
-                p.data = self._to_host(p.detach())
+                set_data(p, self._to_host(p.detach()))
         finally:
             try:
                 self.source.close()
@@ -479,6 +485,7 @@ class WeightOffload:
 
     def _to_device(self, t: Tensor) -> Tensor:
         out = self.device.empty(t.numel(), t.dtype, self.meter).view(t.shape)
+        self.device.stream_waits(self.device.h2d, self.device.record_current())  # after the allocation
         self.device.copy_blocking([(out, t)], self.device.h2d)
         return out
 
@@ -671,8 +678,8 @@ def offload_weights(
 
 def _run_device(device: Any) -> Device:
     """The device the model runs on: ``device``; by default the simulated device installed in
-    the tests, else the current GPU, else the CPU (:data:`~offload_adam.runtime.device.HOST`)."""
-    if device is None and device_for(torch.device("cpu")) is None and not torch.cuda.is_available():
+    the tests (a device of its own), else the current GPU, else the CPU (:data:`~offload_adam.runtime.device.HOST`)."""
+    if device is None and default_device() is None:
         return HOST
     if device is not None and torch.device(device).type == "cpu" and device_for(torch.device("cpu")) is None:
         return HOST

@@ -97,6 +97,16 @@ class Placer:
         self.last[b] = where
         return where
 
+    def overrule(self, b: int, args: Any, where: str) -> str:
+        """The call of ``b`` just decided (on ``args``) runs ``where`` instead (the streamer's
+        verdict): counted there."""
+        rows, seq = call_shape(args)
+        phase = self.counts["prompt" if seq > 1 else "decode"]
+        phase[self.last[b]] -= 1
+        phase[where] += 1
+        self.last[b] = where
+        return where
+
     def predict(self, b: int) -> str:
         """Where ``b``'s next call will likely run (its last call's place): a block about to run
         on the CPU is not copied ahead to the device."""
@@ -115,9 +125,10 @@ def layer_index(modules: list[torch.nn.Module]) -> int | None:
     return None
 
 
-def find_cache(kwargs: dict[str, Any]) -> Any:
-    """The KV cache a layer call is handed (transformers' ``Cache``: its ``layers``), if any."""
-    for v in kwargs.values():
+def find_cache(args: Any, kwargs: dict[str, Any]) -> Any:
+    """The KV cache a layer call is handed (transformers' ``Cache``: its ``layers``), if any, by
+    keyword or by position (GPT-2's layers take it positionally)."""
+    for v in (*args, *kwargs.values()):
         if hasattr(v, "layers") and callable(getattr(v, "update", None)) and isinstance(v.layers, list):
             return v
     return None
@@ -143,7 +154,6 @@ class HostCalls:
             bf16 = native_matmul is True or bf16_faster(num_threads or torch.get_num_threads())
             self.matmul = NativeMatmul(bf16=bf16)
         self.stack: list[tuple[str, float, int | None, bool]] = []  # (where, start, threads to restore, mode entered)
-        self.kv_side: weakref.WeakKeyDictionary[Any, dict[int, str]] = weakref.WeakKeyDictionary()
         self.layer: dict[int, int | None] = {}
         self.handles: list[Any] = []
         self.reset_stats()
@@ -184,28 +194,27 @@ class HostCalls:
     def _to_device(self, t: Tensor) -> Tensor:
         dev = self.device
         out = dev.empty(t.numel(), t.dtype).view(t.shape)
+        dev.stream_waits(dev.h2d_now, dev.record_current())  # after the allocation (memory reused at once)
         dev.copy_blocking([(out, t)], dev.h2d_now)
         return out
 
     def _on_device(self, t: Tensor) -> bool:
-        return t.device.type != "cpu" or self.device.torch_device.type == "cpu"
+        return t.device.type == self.device.torch_device.type
 
-    def _kv(self, module: torch.nn.Module, kwargs: dict[str, Any], where: str) -> None:
+    def _kv(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], where: str) -> None:
+        """The KV cache of this layer moved to the side the call runs on, judged by where its
+        tensors are (not by the layer's history: a cache may append its layers lazily, at their
+        first update, after a call that recorded nothing)."""
         idx = self.layer.get(id(module))
-        cache = find_cache(kwargs) if idx is not None else None
+        cache = find_cache(args, kwargs) if idx is not None else None
         if cache is None or idx is None or idx >= len(cache.layers):
-            return
-        sides = self.kv_side.setdefault(cache, {})
-        side = "host" if where == "cpu" else "device"
-        was = sides.get(idx)
-        sides[idx] = side
-        if was is None or was == side:
-            return
+            return  # no layer yet: made where this call runs
+        on_host = where == "cpu"
         layer = cache.layers[idx]
         for attr in ("keys", "values"):
             t = getattr(layer, attr, None)
-            if isinstance(t, Tensor) and t.numel():
-                moved = self._to_host(t) if side == "host" else self._to_device(t)
+            if isinstance(t, Tensor) and t.numel() and self._on_device(t) == on_host:
+                moved = self._to_host(t) if on_host else self._to_device(t)
                 setattr(layer, attr, moved)
                 self.stats["kv_bytes"] += t.numel() * t.element_size()
                 if hasattr(layer, "device"):
@@ -226,7 +235,7 @@ class HostCalls:
         self.stack.append((where, time.perf_counter(), threads, entered))
         if not self.moves:
             return None
-        self._kv(module, kwargs, where)
+        self._kv(module, args, kwargs, where)
         if where != "cpu":
             return None
 

@@ -81,9 +81,16 @@ class Ring:
         self.slot_bytes, n, made, self.later = plan(blocks, streamed, own, prefetch, general, host_only)
         self.own = made | self.later
         self.on_demand = not general  # no slot planned: each is made when first needed, without a warning
-        self.slots = [Slot(device.empty(self.slot_bytes, torch.uint8, meter)) for _ in range(n)]
-        self.slots += [Slot(device.empty(blocks[b].nbytes, torch.uint8, meter), own=b) for b in sorted(made)]
+        self.slots = [self._slot(self.slot_bytes) for _ in range(n)]
+        self.slots += [self._slot(blocks[b].nbytes, own=b) for b in sorted(made)]
         self._index()
+
+    def _slot(self, size: int, own: int | None = None) -> Slot:
+        """A new slot: its memory was handed out on the compute stream, which may still read it
+        (a caching allocator reuses freed blocks at once): its first copy waits for an event
+        recorded after the allocation."""
+        buf = self.device.empty(size, torch.uint8, self.meter)
+        return Slot(buf, own=own, free_event=self.device.record_current())
 
     def _index(self) -> None:
         self.by_ptr = {s.buf.untyped_storage().data_ptr(): s for s in self.slots}
@@ -111,7 +118,7 @@ class Ring:
                 "offload_adam: offload_weights: block %s needed while every slot of the ring is in use; the ring grows by %d bytes",
                 self.blocks[b].name, size,
             )  # fmt: skip
-        slot = Slot(self.device.empty(size, torch.uint8, self.meter), own=b if b in self.own else None)
+        slot = self._slot(size, own=b if b in self.own else None)
         if b not in self.own:
             self.slot_bytes = max(self.slot_bytes, size)
         self.slots.append(slot)

@@ -52,6 +52,7 @@ from ..runtime.schedule import SCHEDULE
 from .blocks import Block, wrapped
 from .cycle import Cycle
 from .frozen import FrozenLinearMode
+from .hostmatmul import leave_mode
 from .loader import Loader, Source
 from .placement import Placer
 from .ring import Ring, Slot
@@ -523,6 +524,10 @@ class Streamer:
                 where = self._where()
                 if self.placer is not None:
                     where = self.placer.decide(b, module, SCHEDULE.call_args(), torch.is_grad_enabled())
+                    if where == "cpu" and b in self.active and b not in self.hosted:
+                        # Its weights are on the device already (held there by a read outside its
+                        # module): the call runs there, its inputs are not moved to the host.
+                        where = self.placer.overrule(b, SCHEDULE.call_args(), "stream")
                 self.decided[id(module)] = where
                 self.activate(b, where=where)
             if torch.is_grad_enabled():
@@ -559,7 +564,10 @@ class Streamer:
                     del self.cache_state[id(module)]
             modes = self.modes.get(id(module))
             if modes:
-                modes.pop().__exit__(None, None, None)
+                # By identity: on device="cpu" the CPU-run call's NativeMatmul, entered after it
+                # (global hooks run before a module's own), may still be above it on the stack
+                # (CUDA review, second pass, 9: __exit__ popped that one, a mode leaked per call).
+                leave_mode(modes.pop())
                 if not modes:
                     del self.modes[id(module)]
             n = self.pushed.get(id(module), 0)

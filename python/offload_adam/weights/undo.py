@@ -32,6 +32,7 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
+from ..runtime.device import set_data, swap
 from ..runtime.pinned import trim_host_memory
 from .blocks import Entry, wrapped
 
@@ -69,12 +70,12 @@ class Undo:
             e = Entry(p, [""])  # type: ignore[arg-type]
             held = e.rebuild(e.tensors())  # its type over its own inner tensors (no copy)
             held.__dict__.update(p.__dict__)
-            self.keep(p, lambda: torch.utils.swap_tensors(p, held))
+            self.keep(p, lambda: swap(p, held))
             return
         old, grad = p.detach(), p.requires_grad
 
         def back() -> None:
-            p.data = old
+            set_data(p, old)
             p.requires_grad_(grad)
 
         self.keep(p, back)

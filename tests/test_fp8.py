@@ -39,6 +39,18 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(_bits(a.contiguous()), _bits(b.contiguous()))
 
 
+def same_codes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float8_e4m3fn codes bitwise, but for the sign of NaN (0x7f and 0xff alike): a NaN's sign
+    is not specified by IEEE 754 (an invalid operation gives x86's default NaN, negative; ARM's is
+    positive), torch's cast keeps it, and the kernel's scalar path and its SIMD paths reach NaN
+    through other operations (a block poisoned by inf - inf: 0xff on the scalar path, 0x7f as
+    torchao on the SIMD paths)."""
+    ca, cb = (_bits(t.contiguous()).clone() for t in (a, b))
+    for c in (ca, cb):
+        c[(c & 0x7F) == 0x7F] = 0x7F
+    return a.dtype == b.dtype and torch.equal(ca, cb)
+
+
 def _params(shapes: list[tuple[int, ...]] = SHAPES, seed: int = 0) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=g) for s in shapes]
@@ -88,7 +100,7 @@ def _state_is_torchaos(runs: dict[str, Any], keys: tuple[str, ...] = ("exp_avg",
     for i in QUANTIZED:
         for key in keys:
             so, sa = ours.state[po[i]], ao.state[pa[i]][key]
-            assert same(so[key + "_codes"], sa.codes), (i, key)
+            assert same_codes(so[key + "_codes"], sa.codes), (i, key)
             torch.testing.assert_close(so[key + "_scale"], sa.scale, rtol=0, atol=0, equal_nan=True)
 
 

@@ -137,6 +137,37 @@ def test_weights_bench_runs(tmp_path: Path) -> None:
     assert "owed" in out.stdout or "tokens/s" in out.stdout
 
 
+def test_weights_bench_simulated_runs_its_gpu_part_and_ours_decodes_the_resident_models_tokens(tmp_path: Path) -> None:
+    """--simulate: (b) at tiny sizes on the simulated device (the GPU check's dry run): the model
+    resident and ours must run (a peer may not: reported), ours' greedy tokens are the resident
+    model's, and no memory figure is made up off CUDA."""
+    out = subprocess.run(
+        [sys.executable, "-m", "offload_adam", "bench", "--weights", str(tmp_path), "--weights-gb", "0.02", "--rounds", "1",
+         "--prefetch", "1", "--simulate", "--json", str(tmp_path / "w.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    g = json.loads((tmp_path / "w.json").read_text())["gpu"]
+    ours, resident = g["offload_adam offload_weights"], g["resident on the GPU, plain torch"]
+    assert ours["same_tokens"] and resident["same_tokens"]
+    assert ours["tokens_per_s"] > 0 and ours["peak_gpu_bytes"] is None and resident["peak_gpu_bytes"] is None
+    assert "the simulated device" in out.stdout
+
+
+def test_weights_bench_raises_when_ours_fails_where_a_peer_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ours failing in (b) is an error, not a peer "not measured": the headline figure was lost
+    silently that way (a crash at the first forward on a GPU read as a missing row)."""
+    import offload_adam.weights
+    from offload_adam.tools import benchdev, weights_bench
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("ours broke")
+
+    monkeypatch.setattr(offload_adam.weights, "offload_weights", broken)
+    with pytest.raises(RuntimeError, match="ours broke"), benchdev.device(simulate=True) as dev:
+        weights_bench.gpu_contenders(dev, layers=2, d=128, vocab=512, tokens=2, prompt=4, prefetch=1, rounds=1)
+
+
 def _example(name: str) -> Any:
     """An example script imported as a module (its main(argv) runs in this process)."""
     import importlib.util

@@ -51,10 +51,10 @@ asv: install
 
 # manylinux2014 (glibc 2.17), linked with zig (ziglang from requirements-dev.txt, found on PATH),
 # so one abi3 wheel installs on RHEL/Rocky 8 as on new distributions; the tag is then checked, and
-# dist/offload_adam.commit written beside it (the commit, a digest of the sources, the wheel's
+# dist/offload_adam-commit.json written beside it (the commit, a digest of the sources, the wheel's
 # SHA-256: .ci/gpu_check.sh's preflight refuses a wheel built from other sources than its tree).
 wheel: $(DEPS)
-	rm -f dist/offload_adam-*.whl dist/offload_adam.commit
+	rm -f dist/offload_adam-*.whl dist/offload_adam-commit.json
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/maturin build --release --zig --compatibility manylinux2014 --out dist
 	$(BIN)/python .ci/check_wheel.py
 	$(BIN)/python .ci/gpu_preflight.py stamp

@@ -4,7 +4,7 @@
 #
 #     bash .ci/gpu_check.sh                  # results under $OUT (default gpu_out)
 #
-# Before it, here: `make wheel` (the abi3 wheel in dist/, and dist/offload_adam.commit beside it:
+# Before it, here: `make wheel` (the abi3 wheel in dist/, and dist/offload_adam-commit.json beside it:
 # the commit and a digest of the sources it was built from), and the peers that machine lacks as
 # wheels in .whl/ (torchao for the quantized tests, the int8 placement cases and torchao's
 # optimizer; diffusers for the group-offloading peers); carry dist and .whl. That machine's own
@@ -57,8 +57,8 @@ trap 'log "gpu_check: stopped by a failure at line $LINENO (exit $?): see above"
 log "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ): $([ "$DRY" = 1 ] && echo "DRY RUN (no GPU: the simulated device, tiny sizes)" || echo "on the GPU"), DEADLINE_S=$DEADLINE_S"
 pre=30  # each preflight command's (not scaled: a short DEADLINE_S still gets a real preflight)
 if [ "$DRY" = 1 ]; then
-  timeout "$pre" python3 .ci/gpu_preflight.py stamp --no-wheel --out "$WORK/offload_adam.commit" 2>&1 | tee -a "$OUT/env.txt"
-  timeout "$pre" python3 .ci/gpu_preflight.py check --dry --stamp "$WORK/offload_adam.commit" 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$pre" python3 .ci/gpu_preflight.py stamp --no-wheel --out "$WORK/offload_adam-commit.json" 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$pre" python3 .ci/gpu_preflight.py check --dry --stamp "$WORK/offload_adam-commit.json" 2>&1 | tee -a "$OUT/env.txt"
   log "dry run: nvidia-smi skipped (no GPU)"
 else
   shopt -s nullglob
@@ -70,7 +70,7 @@ else
   timeout "$pre" python3 -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$SITE" "${wheels[0]}" "${peers[@]}" 2>&1 | tee -a "$OUT/env.txt"
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
   { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; lscpu | grep -E "Model name|^CPU\(s\)" || true; } 2>&1 | tee -a "$OUT/env.txt"
-  timeout "$pre" python3 .ci/gpu_preflight.py check --stamp dist/offload_adam.commit --site "$SITE" 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$pre" python3 .ci/gpu_preflight.py check --stamp dist/offload_adam-commit.json --site "$SITE" 2>&1 | tee -a "$OUT/env.txt"
 fi
 timeout "$pre" python3 -m offload_adam env 2>&1 | tee -a "$OUT/env.txt"
 log "preflight: $((SECONDS - start)) s"

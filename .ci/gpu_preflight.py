@@ -1,7 +1,7 @@
 """The GPU check's preflight (``.ci/gpu_check.sh``), and the stamp ``make wheel`` writes beside the wheel.
 
-    python .ci/gpu_preflight.py stamp [--out dist/offload_adam.commit] [--no-wheel]
-    python .ci/gpu_preflight.py check [--stamp dist/offload_adam.commit] [--site DIR] [--dry]
+    python .ci/gpu_preflight.py stamp [--out dist/offload_adam-commit.json] [--no-wheel]
+    python .ci/gpu_preflight.py check [--stamp dist/offload_adam-commit.json] [--site DIR] [--dry]
 
 ``stamp`` (``make wheel``, after the build): the commit the wheel was built from, whether the tree
 had uncommitted changes, a digest of the sources that go into the wheel (the package's Python
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("stamp")
-    s.add_argument("--out", type=Path, default=ROOT / "dist" / "offload_adam.commit")
+    s.add_argument("--out", type=Path, default=ROOT / "dist" / "offload_adam-commit.json")
     s.add_argument("--no-wheel", action="store_true", help="stamp the tree alone (a dry run)")
     c = sub.add_parser("check")
     c.add_argument("--stamp", type=Path, default=None)

@@ -203,8 +203,8 @@ def run(args: argparse.Namespace) -> None:
             "torchao CPUOffloadOptimizer offload_gradients",
             lambda m: CPUOffloadOptimizer(m.parameters(), torch.optim.AdamW, offload_gradients=True, fused=True, **kw),
         ))
-    except ImportError as e:
-        print(f"torchao's CPUOffloadOptimizer is not measured: {e}")
+    except Exception as e:  # not installed, no CUDA, or a wheel built for another torch that fails to import
+        print(f"torchao's CPUOffloadOptimizer is not measured: {type(e).__name__}: {e}")
     results = {}
     for name, make in runs:
         try:

@@ -17,19 +17,19 @@
 # wheel), and the stamp is made and checked for the tree alone. It exits non-zero on any error.
 #
 # The steps, in order, each under a fixed cap (DEADLINE_S, 480 s by default, scales the steps'
-# caps), so that none can starve the ones after it; the caps sum to DEADLINE_S less 10 s.
+# caps), so that none can starve the ones after it; with the preflight's they sum to 475 s.
 # A step that fails or runs out of its cap is recorded and the next one runs; the check exits
 # non-zero if any did. GPU_CHECK_STEPS names a subset of the steps after the preflight.
-#   preflight   30 s  versions, the wheel against this tree, CUDA: exits at once on any failure
-#                     (30 s for each of its commands, whatever DEADLINE_S)
-#   tests      120 s  pytest -m cuda (the second CUDA review's hazards 1-5 among them), full log
-#   weights     70 s  bench --weights: ours against accelerate's cpu_offload (and diffusers'), the
+#   preflight   60 s  versions, the wheel against this tree, CUDA: exits at once on any failure
+#                     (60 s whatever DEADLINE_S: a fresh machine's first imports are slow)
+#   tests      115 s  pytest -m cuda (the second CUDA review's hazards 1-5 among them), full log
+#   weights     65 s  bench --weights: ours against accelerate's cpu_offload (and diffusers'), the
 #                     model resident beside them: tokens/s, TTFT, peak GPU memory, tokens equal
-#   placement  100 s  bench --gpu-placement: stream, cpu and auto on a 1B Llama, a quarter of it
+#   placement   95 s  bench --gpu-placement: stream, cpu and auto on a 1B Llama, a quarter of it
 #                     resident, bf16 and int8: TTFT, tokens/s, peak GPU memory, bytes, calls
-#   optimizer  105 s  .ci/gpu_bench.py --steps 8: the step of 1.1B bf16 against torch fused,
+#   optimizer  100 s  .ci/gpu_bench.py --steps 8: the step of 1.1B bf16 against torch fused,
 #                     peak GPU memory per contender
-#   csan        45 s  three tests under torch's CUDA stream sanitizer
+#   csan        40 s  three tests under torch's CUDA stream sanitizer
 # Results in $OUT, four files: env.txt (the preflight and the steps' outcome), tests.txt (pytest's
 # full logs), bench.txt (the benches' output), bench.json (their results, one key per bench).
 set -euo pipefail
@@ -55,10 +55,11 @@ trap 'log "gpu_check: stopped by a failure at line $LINENO (exit $?): see above"
 
 # -- preflight: exits at once on any failure ------------------------------------------------------
 log "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ): $([ "$DRY" = 1 ] && echo "DRY RUN (no GPU: the simulated device, tiny sizes)" || echo "on the GPU"), DEADLINE_S=$DEADLINE_S"
-pre=30  # each preflight command's (not scaled: a short DEADLINE_S still gets a real preflight)
+pre_end=$((SECONDS + 60))  # the preflight's 60 s in all (not scaled: a short DEADLINE_S still gets a real one)
+pre() { local l=$((pre_end - SECONDS)); echo $((l < 1 ? 1 : l)); }  # what is left of it
 if [ "$DRY" = 1 ]; then
-  timeout "$pre" python3 .ci/gpu_preflight.py stamp --no-wheel --out "$WORK/offload_adam-commit.json" 2>&1 | tee -a "$OUT/env.txt"
-  timeout "$pre" python3 .ci/gpu_preflight.py check --dry --stamp "$WORK/offload_adam-commit.json" 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$(pre)" python3 .ci/gpu_preflight.py stamp --no-wheel --out "$WORK/offload_adam-commit.json" 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$(pre)" python3 .ci/gpu_preflight.py check --dry --stamp "$WORK/offload_adam-commit.json" 2>&1 | tee -a "$OUT/env.txt"
   log "dry run: nvidia-smi skipped (no GPU)"
 else
   shopt -s nullglob
@@ -67,12 +68,12 @@ else
   shopt -u nullglob
   [ "${#wheels[@]}" -eq 1 ] || { log "PREFLIGHT FAILED: want one wheel in dist/ (make wheel), found ${#wheels[@]}"; exit 1; }
   SITE=$WORK/site  # the wheel and the peers, on PYTHONPATH for every step
-  timeout "$pre" python3 -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$SITE" "${wheels[0]}" "${peers[@]}" 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$(pre)" python3 -m pip install -q --no-deps --no-index --no-compile --no-cache-dir --target "$SITE" "${wheels[0]}" "${peers[@]}" 2>&1 | tee -a "$OUT/env.txt"
   export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-  { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; lscpu | grep -E "Model name|^CPU\(s\)" || true; } 2>&1 | tee -a "$OUT/env.txt"
-  timeout "$pre" python3 .ci/gpu_preflight.py check --stamp dist/offload_adam-commit.json --site "$SITE" 2>&1 | tee -a "$OUT/env.txt"
+  { timeout "$(pre)" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; lscpu | grep -E "Model name|^CPU\(s\)" || true; } 2>&1 | tee -a "$OUT/env.txt"
+  timeout "$(pre)" python3 .ci/gpu_preflight.py check --stamp dist/offload_adam-commit.json --site "$SITE" 2>&1 | tee -a "$OUT/env.txt"
 fi
-timeout "$pre" python3 -m offload_adam env 2>&1 | tee -a "$OUT/env.txt"
+timeout "$(pre)" python3 -m offload_adam env 2>&1 | tee -a "$OUT/env.txt"
 log "preflight: $((SECONDS - start)) s"
 trap - ERR
 
@@ -108,24 +109,24 @@ if wants tests; then
   # cannot stop it; --continue-on-collection-errors for theirs).
   mapfile -t cuda_files < <(grep -l "pytest.mark.cuda" tests/test_*.py)
   [ "$DRY" = 1 ] && echo "dry run: the CUDA tests are collected and skipped (no CUDA device)" | tee -a "$OUT/tests.txt"
-  step tests "$(cap 120)" tests.txt "${PYTEST[@]}" --continue-on-collection-errors -m cuda "${cuda_files[@]}"
+  step tests "$(cap 115)" tests.txt "${PYTEST[@]}" --continue-on-collection-errors -m cuda "${cuda_files[@]}"
 fi
 if wants weights; then
   mkdir -p "$WORK/nvme"
   if [ "$DRY" = 1 ]; then
-    step weights "$(cap 70)" bench.txt python3 -m offload_adam bench --weights "$WORK/nvme" --weights-gb 0.02 --rounds 1 --prefetch 1 --simulate --json "$WORK/weights.json"
+    step weights "$(cap 65)" bench.txt python3 -m offload_adam bench --weights "$WORK/nvme" --weights-gb 0.02 --rounds 1 --prefetch 1 --simulate --json "$WORK/weights.json"
   else
-    step weights "$(cap 70)" bench.txt python3 -m offload_adam bench --weights "$WORK/nvme" --weights-gb 1 --rounds 3 --json "$WORK/weights.json"
+    step weights "$(cap 65)" bench.txt python3 -m offload_adam bench --weights "$WORK/nvme" --weights-gb 1 --rounds 3 --json "$WORK/weights.json"
   fi
 fi
 if wants placement; then
-  step placement "$(cap 100)" bench.txt python3 -m offload_adam bench --gpu-placement "${SIM[@]}" --json "$WORK/placement.json"
+  step placement "$(cap 95)" bench.txt python3 -m offload_adam bench --gpu-placement "${SIM[@]}" --json "$WORK/placement.json"
 fi
 if wants optimizer; then
   if [ "$DRY" = 1 ]; then
-    step optimizer "$(cap 105)" bench.txt python3 .ci/gpu_bench.py --device cpu --layers 2 --d-model 64 --heads 4 --vocab 256 --ctx 32 --batch 2 --steps 3 --json "$WORK/optimizer.json"
+    step optimizer "$(cap 100)" bench.txt python3 .ci/gpu_bench.py --device cpu --layers 2 --d-model 64 --heads 4 --vocab 256 --ctx 32 --batch 2 --steps 3 --json "$WORK/optimizer.json"
   else
-    step optimizer "$(cap 105)" bench.txt python3 .ci/gpu_bench.py --steps 8 --json "$WORK/optimizer.json"
+    step optimizer "$(cap 100)" bench.txt python3 .ci/gpu_bench.py --steps 8 --json "$WORK/optimizer.json"
   fi
 fi
 if wants csan; then
@@ -140,7 +141,7 @@ if wants csan; then
   if [ "$DRY" = 1 ]; then
     skip csan tests.txt "CSAN needs CUDA; dry run"
   else
-    step csan "$(cap 45)" tests.txt env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" \
+    step csan "$(cap 40)" tests.txt env TORCH_CUDA_SANITIZER=1 "${PYTEST[@]}" \
       "tests/test_cuda.py::test_cuda_weights_streamed_are_exact_and_bounded[1-cpu]" \
       "tests/test_cuda.py::test_cuda_activations_offloaded_are_exact_and_save_memory[cpu]" \
       "tests/test_cuda.py::test_cuda_training_with_streamed_weights_then_eval_and_generate_match_resident"

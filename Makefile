@@ -62,11 +62,14 @@ asv: install
 	cd asv_bench && ../$(BIN)/asv machine --yes >/dev/null && ../$(BIN)/asv run --python=same --quick
 
 # manylinux2014 (glibc 2.17), linked with zig (ziglang from requirements-dev.txt, found on PATH),
-# so one abi3 wheel installs on RHEL/Rocky 8 as on new distributions; the tag is then checked.
+# so one abi3 wheel installs on RHEL/Rocky 8 as on new distributions; the tag is then checked, and
+# dist/offload_adam-commit.json written beside it (the commit, a digest of the sources, the wheel's
+# SHA-256: .ci/gpu_check.sh's preflight refuses a wheel built from other sources than its tree).
 wheel: $(DEPS)
-	rm -f dist/offload_adam-*.whl
+	rm -f dist/offload_adam-*.whl dist/offload_adam-commit.json
 	PATH=$(abspath $(BIN)):$$PATH $(BIN)/maturin build --release --zig --compatibility manylinux2014 --out dist
 	$(BIN)/python .ci/check_wheel.py
+	$(BIN)/python .ci/gpu_preflight.py stamp
 
 # The documentation site (mkdocs-material; the API reference from the docstrings by mkdocstrings,
 # which imports the package: hence install). Strict by default: a broken link or a missing page

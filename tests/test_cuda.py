@@ -3,13 +3,16 @@ with streams, events and pinned host memory."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
 from offload_adam import AdamW
+from offload_adam.runtime.costs import CostModel
 
 pytestmark = pytest.mark.cuda
 
@@ -252,7 +255,11 @@ def test_cuda_weights_streamed_are_exact_and_bounded(storage: str, prefetch: int
     rep = h.report()
     assert rep["gpu_peak_bytes"] <= rep["ring_bytes"] + rep["gpu_resident_bytes"] + 64
     assert rep["ring_bytes"] < 0.6 * rep["weights_bytes"]
-    assert rep["h2d_bytes"] == rep["streamed_bytes"] and rep["h2d_s"] > 0
+    # Each streamed block crosses once per forward but the embedding, looked up on the host (the
+    # second CUDA review's hazard 1): only its rows cross, counted as hidden bytes, not h2d.
+    looked_up = sum(h.blocks[i].nbytes for i in h.streamed if i in h.placer.host_only)
+    assert looked_up >= model.emb.weight.numel() * model.emb.weight.element_size()
+    assert rep["h2d_bytes"] == rep["streamed_bytes"] - looked_up and rep["h2d_s"] > 0
     h.close()
     assert next(model.parameters()).device.type == "cpu"
 
@@ -405,3 +412,249 @@ def test_cuda_autocast_keeps_no_copy_of_streamed_weights() -> None:
     # activations are far less than a quarter of them.
     assert peak < rep["weights_bytes"] // 4, (peak, rep["weights_bytes"])
     h.close()
+
+
+# -- the CUDA review, second pass: what only a GPU shows ---------------------------------------------
+#
+# The lag tests hold the compute stream back with torch.cuda._sleep (a spin kernel) so that the
+# host runs ahead of the GPU, as it does in any real run with large layers: memory the host frees
+# then still has kernels queued against it, and the caching allocator hands it to the next
+# allocation of that stream at once. A copy from a side stream into such memory, not ordered after
+# the allocation, lands before those kernels run (hazards 2 and 3). The tests of hazard 3 arrange
+# the reuse rather than wait for it: right before the code under test allocates, they free blocks
+# whose last kernel (a fill) is queued behind the spin, of the sizes it asks for, so that the
+# allocator's best fit hands them out.
+
+LAG = 1 << 28  # cycles of torch.cuda._sleep: about 0.15 s on an H200, far longer than the copies
+
+
+@contextlib.contextmanager
+def _freed_under_lag(*nbytes: int) -> Iterator[None]:
+    """Blocks of these sizes on the compute stream, written by a fill queued behind a spin kernel,
+    then freed; a 1-byte spacer after each stays allocated until the end of the ``with``, so that
+    freed neighbours do not merge (each block stays its size, the best fit of an allocation of
+    that size)."""
+    junk, spacers = [], []
+    for n in nbytes:
+        junk.append(torch.empty(n, dtype=torch.uint8, device="cuda"))
+        spacers.append(torch.empty(1, dtype=torch.uint8, device="cuda"))
+    torch.cuda._sleep(LAG)
+    while junk:
+        junk.pop().fill_(7)  # (freed here: its fill still queued)
+    yield
+    del spacers
+
+
+def test_cuda_a_streamed_embedding_takes_ids_on_the_gpu() -> None:
+    """Hazard 1 (crash): offload_weights(model) with the defaults streams the embedding, whose
+    inference call is looked up on the host; the ids are on the GPU. Its rows come back to the
+    GPU, bitwise the resident model's output."""
+    import offload_adam
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 64))
+    ref = copy.deepcopy(m).cuda()
+    ids = torch.randint(0, 100, (2, 8), device="cuda")
+    h = offload_adam.offload_weights(m)
+    with torch.no_grad():
+        got, want = m(ids), ref(ids)
+    assert got.device == ids.device and torch.equal(got, want)
+    h.close()
+
+
+def test_cuda_activations_reloaded_while_the_gpu_lags_are_exact() -> None:
+    """Hazard 2: a reload buffer allocated on the compute stream and written by a copy stream
+    must wait for the kernels still queued on the memory it reuses. A spin kernel queued at the
+    start of the backward keeps the GPU behind the host for the rest of it; every layer's
+    activation has the same size, so each reload gets the block the previous node just freed.
+    The gradients are bitwise those without offloading, over 3 steps."""
+    import offload_adam
+
+    torch.manual_seed(0)
+    m = Net(d=1024, layers=8).cuda()
+    ref = copy.deepcopy(m)
+    for step in range(3):
+        x = torch.randint(0, 97, (16, 256), device="cuda")
+        ref(x).float().square().mean().backward()
+        with offload_adam.offload_activations(min_bytes=1 << 16, prefetch=2) as ao:
+            out = m(x)
+        out.register_hook(lambda g: (torch.cuda._sleep(LAG), g)[1])
+        out.float().square().mean().backward()
+        torch.cuda.synchronize()
+        assert ao.report()["offloaded_bytes"] > 0
+        for (n, p), q in zip(m.named_parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, n)
+        ao.close()
+
+
+def _big_head_llama() -> torch.nn.Module:
+    """A Llama whose untied head (vocab 32k x 2048, 131 MB in bf16) is larger than a layer (46 MB):
+    the head gets a ring slot of its own, made at its first copy, in the middle of the first
+    forward."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=2048, intermediate_size=2048, num_attention_heads=16, num_key_value_heads=4,
+        vocab_size=32000, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(cfg).bfloat16().eval()
+
+
+def test_cuda_ring_slots_made_while_the_gpu_lags_are_exact() -> None:
+    """Hazard 3, the ring: a slot is written by the copy stream right after its allocation on
+    the compute stream; the first copy must wait for the kernels still queued on the memory it
+    reuses. Memory freed under a spin kernel before the offload (its slots) and before the first
+    no_grad forward (the head's own slot, made mid-forward): the logits are bitwise the resident
+    model's."""
+    import offload_adam
+
+    model = _big_head_llama()
+    x = torch.randint(1, 32000, (1, 1024), device="cuda")
+    ref = copy.deepcopy(model).cuda()
+    with torch.no_grad():
+        want = ref(x).logits
+    del ref
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    head = model.lm_head.weight.numel() * model.lm_head.weight.element_size()
+    with _freed_under_lag(4 * head):  # the slots made at offload time (two layers' of it)
+        h = offload_adam.offload_weights(model, prefetch=1)
+    own = [i for i, b in enumerate(h.blocks) if any(m is model.lm_head for m in b.modules)]
+    assert own and own[0] in h.streamed
+    # The head's slot, made mid-forward: a block smaller than what the offload left of the first
+    # one (so the best fit), larger than the head and the activations before it.
+    with _freed_under_lag(2 * head), torch.no_grad():
+        got = model(x).logits
+    assert any(s.own == own[0] for s in h.streamer.ring.slots)  # its own slot, made in that forward
+    assert torch.equal(got, want)
+    h.close()
+
+
+class _RowsModel(CostModel):
+    """Forces placement="auto"'s choice by a call's rows: decode steps (batch 1) on the CPU,
+    prompts streamed."""
+
+    def choose(self, nbytes: int, params: int, rows: int, dtype: torch.dtype) -> str:
+        return "cpu" if rows <= 2 else "stream"
+
+
+def test_cuda_a_kv_cache_moved_back_while_the_gpu_lags_is_exact() -> None:
+    """Hazard 3, the KV cache: placement="auto" decodes on the CPU (each layer's cache moved to
+    the host), then a second prompt on the same cache streams and moves it back to the GPU into
+    memory allocated on the compute stream. With blocks of the cache's sizes freed under a spin
+    kernel right before that prompt, its logits and the next decode step are bitwise those of the
+    same turns run with the GPU idle at each turn."""
+    import offload_adam
+
+    model = _llama(vocab=1000).bfloat16().eval()
+    g = torch.Generator().manual_seed(3)
+    p1, p2 = (torch.randint(1, 1000, (1, 8), generator=g).cuda() for _ in range(2))
+    h = offload_adam.offload_weights(model, placement="auto", prefetch=1, cost_model=_RowsModel())
+
+    @torch.no_grad()
+    def turns(lag: bool) -> list[torch.Tensor]:
+        out = model(input_ids=p1, use_cache=True)
+        past, logits = out.past_key_values, [out.logits]
+        for _ in range(3):
+            out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            logits.append(out.logits)
+        assert all(t.device.type == "cpu" for layer in past.layers for t in (layer.keys, layer.values))  # decoded on the host
+        h.reset_stats()
+        sizes = [t.numel() * t.element_size() for layer in past.layers for t in (layer.keys, layer.values)]
+        torch.cuda.synchronize()
+        with _freed_under_lag(*sizes) if lag else contextlib.nullcontext():
+            out = model(input_ids=p2, past_key_values=past, use_cache=True)
+        assert h.report()["kv_bytes"] > 0  # the cache moved back to the GPU for the streamed prompt
+        logits.append(out.logits)
+        out = model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        logits.append(out.logits)
+        torch.cuda.synchronize()
+        return [t.cpu() for t in logits]
+
+    want = turns(lag=False)
+    got = turns(lag=True)
+    for k, (a, b) in enumerate(zip(got, want)):
+        assert torch.equal(a, b), k
+    h.close()
+
+
+def test_cuda_a_quantized_model_decoded_on_the_cpu_runs_the_native_kernel() -> None:
+    """Hazard 4: an int8 weight rebuilt on the GPU reports cuda while a CPU-run block points its
+    inner tensors at host bytes; judged by the wrapper's device, the native kernel never ran
+    (torchao's torch path instead, 13-20x slower). placement="cpu", 4 greedy tokens."""
+    torchao_q = pytest.importorskip("torchao.quantization")
+    import offload_adam
+
+    model = _llama(vocab=1000).bfloat16().eval()
+    torchao_q.quantize_(model, torchao_q.Int8WeightOnlyConfig())
+    x = torch.randint(1, 1000, (1, 16), device="cuda")
+    h = offload_adam.offload_weights(model, placement="cpu", prefetch=1)
+    with torch.no_grad():
+        got = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    r = h.report()
+    assert got.device == x.device and got.shape == (1, 20)
+    assert r["calls"]["decode"]["cpu"] > 0 and r["calls"]["decode"]["stream"] == 0
+    assert r["native_calls"] > 0, r
+    h.close()
+
+
+class _LoRA(torch.nn.Module):
+    """A low-rank adapter in bfloat16 beside a frozen (quantized) linear (as test_quantized's)."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        out, inp = base.weight.shape
+        self.A = torch.nn.Parameter(torch.randn(rank, inp, dtype=torch.bfloat16) * 0.1)
+        self.B = torch.nn.Parameter(torch.randn(out, rank, dtype=torch.bfloat16) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + torch.nn.functional.linear(torch.nn.functional.linear(x, self.A), self.B)
+
+
+def test_cuda_qlora_under_autocast_is_bitwise_the_resident_quantized_base() -> None:
+    """Hazard 5: the frozen base's backward recomputes its F.linear; outside the forward's
+    autocast that is an fp32 GEMM over an fp32 dequantized copy (other bits, 15x slower on an
+    H200). An fp32 Llama quantized int8 with bf16 adapters, 3 steps under
+    torch.autocast("cuda", torch.bfloat16), the base streamed and the adapters resident: the
+    adapters' gradients at every step and their weights after are bitwise those of the same
+    training with the quantized base resident on the GPU."""
+    torchao_q = pytest.importorskip("torchao.quantization")
+    import offload_adam
+
+    model = _llama(vocab=1000, layers=3).train()
+    torchao_q.quantize_(model, torchao_q.Int8WeightOnlyConfig())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for layer in model.model.layers:
+        for parent, name in ((layer.self_attn, "q_proj"), (layer.self_attn, "v_proj"), (layer.mlp, "up_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, _LoRA(getattr(parent, name)))
+    ref = copy.deepcopy(model).cuda()
+    g = torch.Generator().manual_seed(9)
+    data = [torch.randint(1, 1000, (2, 65), generator=g).cuda() for _ in range(3)]
+
+    def train(m: torch.nn.Module) -> list[list[torch.Tensor]]:
+        params = [p for p in m.parameters() if p.requires_grad]
+        opt = AdamW(params, lr=1e-2)
+        grads = []
+        for x in data:
+            with torch.autocast("cuda", torch.bfloat16):
+                out = m(x[:, :-1]).logits.float()
+            torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).backward()
+            grads.append([p.grad.clone() for p in params])
+            opt.step()
+            opt.zero_grad()
+        torch.cuda.synchronize()
+        return grads
+
+    want = train(ref)
+    h = offload_adam.offload_weights(model, prefetch=1, resident=lambda n, p: p.requires_grad)
+    got = train(model)
+    for step, (a, b) in enumerate(zip(got, want)):
+        for k, (ga, gb) in enumerate(zip(a, b)):
+            assert ga.device.type == "cuda" and torch.equal(ga, gb), (step, k)
+    h.close()
+    for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+        if p.requires_grad:
+            assert torch.equal(p.detach().cpu(), q.detach().cpu()), n

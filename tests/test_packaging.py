@@ -1,9 +1,11 @@
-"""Packaging: the abi3 extension, the typed stub, the bench command."""
+"""Packaging: the abi3 extension, the typed stub, the bench command, the GPU check's dry run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -137,6 +139,37 @@ def test_weights_bench_runs(tmp_path: Path) -> None:
     assert "owed" in out.stdout or "tokens/s" in out.stdout
 
 
+def test_weights_bench_simulated_runs_its_gpu_part_and_ours_decodes_the_resident_models_tokens(tmp_path: Path) -> None:
+    """--simulate: (b) at tiny sizes on the simulated device (the GPU check's dry run): the model
+    resident and ours must run (a peer may not: reported), ours' greedy tokens are the resident
+    model's, and no memory figure is made up off CUDA."""
+    out = subprocess.run(
+        [sys.executable, "-m", "offload_adam", "bench", "--weights", str(tmp_path), "--weights-gb", "0.02", "--rounds", "1",
+         "--prefetch", "1", "--simulate", "--json", str(tmp_path / "w.json")],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    g = json.loads((tmp_path / "w.json").read_text())["gpu"]
+    ours, resident = g["offload_adam offload_weights"], g["resident on the GPU, plain torch"]
+    assert ours["same_tokens"] and resident["same_tokens"]
+    assert ours["tokens_per_s"] > 0 and ours["peak_gpu_bytes"] is None and resident["peak_gpu_bytes"] is None
+    assert "the simulated device" in out.stdout
+
+
+def test_weights_bench_raises_when_ours_fails_where_a_peer_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ours failing in (b) is an error, not a peer "not measured": the headline figure was lost
+    silently that way (a crash at the first forward on a GPU read as a missing row)."""
+    import offload_adam.weights
+    from offload_adam.tools import benchdev, weights_bench
+
+    def broken(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("ours broke")
+
+    monkeypatch.setattr(offload_adam.weights, "offload_weights", broken)
+    with pytest.raises(RuntimeError, match="ours broke"), benchdev.device(simulate=True) as dev:
+        weights_bench.gpu_contenders(dev, layers=2, d=128, vocab=512, tokens=2, prompt=4, prefetch=1, rounds=1)
+
+
 def _example(name: str) -> Any:
     """An example script imported as a module (its main(argv) runs in this process)."""
     import importlib.util
@@ -175,3 +208,69 @@ def test_hf_finetune_example_trains_with_streamed_weights_and_offloaded_state(tm
     first, last = _losses(out)
     assert "from " + str(tmp_path / "ckpt") in out and "offload='nvme'" in out and "NVMe" in out and last < first
     assert (tmp_path / "out" / "model.safetensors").exists() and list(nvme.iterdir()) == []
+
+
+# -- the GPU check's dry run ------------------------------------------------------------------------
+
+
+def _gpu_check(out: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """``GPU_CHECK_DRY=1 .ci/gpu_check.sh`` with this interpreter first on PATH (the script runs
+    python3), results under ``out``."""
+    root = Path(__file__).resolve().parents[1]
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+    return subprocess.run(
+        ["bash", ".ci/gpu_check.sh"], cwd=root, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PATH": path, "GPU_CHECK_DRY": "1", "OUT": str(out), **env},
+    )  # fmt: skip
+
+
+def test_gpu_check_dry_run_runs_its_preflight_and_the_placement_step_on_the_simulated_device(tmp_path: Path) -> None:
+    """The GPU check without a GPU (GPU_CHECK_DRY=1): the preflight on the installed package and
+    a stamp of the tree, the CUDA check skipped; the placement bench (the newest step; .ci/run
+    runs every step) on the simulated device, each placement in bf16 (and int8 with torchao), its
+    results folded into the four files of $OUT."""
+    out = tmp_path / "out"
+    r = _gpu_check(out, GPU_CHECK_STEPS="placement")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    assert sorted(p.name for p in out.iterdir()) == ["bench.json", "bench.txt", "env.txt", "tests.txt"]
+    env = (out / "env.txt").read_text()
+    assert "DRY RUN" in env and "dry run: no CUDA wanted" in env and "wheel stamp" in env and "offload_adam from" in env
+    assert re.search(r"^placement +ok", env, re.M) and "every step ok" in env
+    res = json.loads((out / "bench.json").read_text())
+    assert res["weights"] is None and res["optimizer"] is None and len(res["steps"]) == 1
+    dtypes = ["bf16", "int8"] if importlib.util.find_spec("torchao") else ["bf16"]
+    cases = res["placement"]["cases"]
+    assert [(c["dtype"], c["placement"]) for c in cases] == [(d, p) for d in dtypes for p in ("stream", "cpu", "auto")]
+    for c in cases:
+        assert c["ttft_s"] > 0 and c["tokens_per_s"] > 0 and c["peak_gpu_bytes"] is None and isinstance(c["same_tokens"], bool)
+        assert 0 < c["gpu_resident_bytes"] < res["placement"][f"{c['dtype']}_weights_bytes"]
+        if c["placement"] == "stream":
+            assert c["calls"]["decode"]["stream"] > 0 and c["h2d_bytes"] > 0 and c["same_tokens"]
+        if c["placement"] == "cpu":
+            assert c["calls"]["prompt"]["stream"] == c["calls"]["decode"]["stream"] == 0
+            assert c["calls"]["decode"]["cpu"] > 0 and c["hidden_bytes"] > 0
+    assert "GPU placement bench" in (out / "bench.txt").read_text()
+
+
+def test_gpu_check_a_step_out_of_its_cap_fails_the_check_and_the_next_steps_run(tmp_path: Path) -> None:
+    """A step that runs out of its cap (DEADLINE_S=4 leaves the tests 1 s) is recorded as timed
+    out, the steps after it still run, and the check exits non-zero with bench.json written."""
+    out = tmp_path / "out"
+    r = _gpu_check(out, GPU_CHECK_STEPS="tests csan", DEADLINE_S="4")
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
+    env = (out / "env.txt").read_text()
+    assert re.search(r"^tests +TIMED OUT \(cap 1 s\)", env, re.M), env
+    assert re.search(r"^csan +skipped", env, re.M) and "FAILED" in env
+    assert json.loads((out / "bench.json").read_text())["steps"][0].startswith("tests ")
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the preflight of a machine without CUDA")
+def test_gpu_check_without_cuda_stops_at_its_preflight(tmp_path: Path) -> None:
+    """Not a dry run, on a machine without CUDA (or without a wheel in dist/): the preflight fails
+    at once, saying why, and no step runs."""
+    out = tmp_path / "out"
+    r = _gpu_check(out, GPU_CHECK_DRY="0")
+    assert r.returncode == 1, r.stdout[-4000:] + r.stderr[-4000:]
+    env = (out / "env.txt").read_text()
+    assert "PREFLIGHT FAILED" in env + r.stderr and "--- steps" not in env
+    assert (out / "tests.txt").read_text() == "" and (out / "bench.txt").read_text() == ""

@@ -245,6 +245,14 @@ def main(argv: list[str] | None = None) -> int:
         "--quantize", choices=["int8", "fp8"], default=None,
         help="--placement: also the model quantized as it loads (weight-only), beside bf16, and the CPU decode against llama.cpp",
     )  # fmt: skip
+    ap.add_argument(
+        "--gpu-placement", action="store_true",
+        help="instead: placements stream, cpu and auto on a GPU, a 1B Llama with a quarter of it resident, bf16 and int8 (see gpu_placement_bench)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--simulate", action="store_true",
+        help="--weights, --gpu-placement: their GPU part at tiny sizes on the simulated device (a dry run of the bench: the figures mean nothing)",
+    )  # fmt: skip
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
@@ -291,11 +299,17 @@ def main(argv: list[str] | None = None) -> int:
             pres["linear"] = linear_bench.run(rounds=args.rounds, threads=args.threads, model=True)
         _write_json(args.json, pres)
         return 0
+    if args.gpu_placement:
+        from . import gpu_placement_bench
+
+        gres = gpu_placement_bench.run(simulate=args.simulate, progress=lambda r: _write_json(args.json, r))
+        _write_json(args.json, gres)
+        return 0
     if args.weights:
         from . import weights_bench
 
         os.makedirs(args.weights, exist_ok=True)
-        wres = weights_bench.run(args.weights, gb=args.weights_gb, prefetch=args.prefetch, rounds=args.rounds)
+        wres = weights_bench.run(args.weights, gb=args.weights_gb, prefetch=args.prefetch, rounds=args.rounds, simulate=args.simulate)
         _write_json(args.json, wres)
         return 0
     if args.nvme:

@@ -30,7 +30,6 @@ comes back as the same view of the restored storage.
 
 from __future__ import annotations
 
-import os
 import threading
 import warnings
 import weakref

@@ -32,7 +32,6 @@ import contextlib
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from torch import Tensor
 

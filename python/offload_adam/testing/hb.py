@@ -148,6 +148,16 @@ def _tensors(x: Any) -> list[Tensor]:
 SIDE_STREAMS = ("d2h", "h2d", "h2d_now")
 
 
+def bump_version(t: Tensor) -> None:
+    """``t``'s version counter + 1 (CUDA's ``copy_`` bumps it at launch; a foreach op under a
+    dispatch mode does not)."""
+    set_version = torch._C._autograd._unsafe_set_version_counter
+    try:
+        set_version((t,), (t._version + 1,))
+    except TypeError:  # torch < 2.6 takes one tensor
+        set_version(t, t._version + 1)  # type: ignore[arg-type]
+
+
 class OrderChecker:
     """The access histories of device memory and host buffers, the host's clock, and the checks
     of copies, compute and reuse against them. ``hosts(ptr)`` tells a registered host buffer's

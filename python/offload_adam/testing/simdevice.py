@@ -65,18 +65,10 @@ from torch import Tensor
 
 from ..runtime.device import Meter, on_device, on_stream
 from . import simbackend
-from .hb import SIDE_STREAMS, OrderChecker, _Access, _History, _join, _Lane, _leaves
+from .hb import SIDE_STREAMS, OrderChecker, _Access, _History, _join, _Lane, _leaves, bump_version
 from .simbackend import SimTensor, mem
 from .simlegacy import DeviceMemory, HonourWaits, Stamp
 from .simstreams import SimCuda, SimEvent, UserStream, _local, _Stream
-
-
-def _bump_version(t: Tensor) -> None:
-    set_version = torch._C._autograd._unsafe_set_version_counter
-    try:
-        set_version((t,), (t._version + 1,))
-    except TypeError:  # torch < 2.6 takes one tensor
-        set_version(t, t._version + 1)  # type: ignore[arg-type]
 
 
 @contextlib.contextmanager
@@ -470,7 +462,7 @@ class SimulatedDevice:
                 alias = torch.empty(0, dtype=m.dtype).set_(m.untyped_storage(), m.storage_offset(), m.shape, m.stride())
         if alloc is None and write:
             # CUDA's copy_ bumps the version counter when it is launched, not when it runs.
-            _bump_version(t)
+            bump_version(t)
         return _Ref(alias=alias, alloc=alloc)
 
     def _queue_copies(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any, blocking: bool) -> None:

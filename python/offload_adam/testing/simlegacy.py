@@ -12,13 +12,12 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .hb import _leaves
+from .hb import _leaves, bump_version
 from .simstreams import _local
 
 # Calls that read no tensor data (metadata, views): no device work, so no wait.
@@ -73,14 +72,6 @@ class HonourWaits(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _bump_version(t: Tensor) -> None:
-    set_version = torch._C._autograd._unsafe_set_version_counter
-    try:
-        set_version((t,), (t._version + 1,))
-    except TypeError:  # torch < 2.6 takes one tensor
-        set_version(t, t._version + 1)  # type: ignore[arg-type]
-
-
 class Stamp(TorchDispatchMode):
     """Records what each compute operation of this thread reads and writes (forward and
     backward), with the current stream's epoch: the happens-before check of the copies."""
@@ -101,6 +92,6 @@ class Stamp(TorchDispatchMode):
             # A foreach op under a dispatch mode does not bump its outputs' version counters.
             for t, v in zip(written, versions):
                 if t._version == v:
-                    _bump_version(t)
+                    bump_version(t)
         self.dev.order.stamp_fresh(lane, func, out)
         return out

@@ -7,7 +7,6 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import resource
 import warnings
 from collections.abc import Callable, Sequence

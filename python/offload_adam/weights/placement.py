@@ -24,7 +24,6 @@ int8 and fp8 weight-only ones; no gradient wanted), torch's kernels otherwise;
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any
 
 import torch

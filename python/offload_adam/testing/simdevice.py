@@ -252,6 +252,10 @@ class _Ref:
     geometry: tuple[Any, ...] = ()  # (dtype, storage offset, shape, stride) of that tensor
 
 
+def _compute_lane(name: str) -> bool:
+    return name == "compute" or name.startswith("user")
+
+
 def _sides(stream: _Stream, d: Tensor, s: Tensor) -> None:
     """A copy's sides as its stream says: d2h from the device to the host, h2d into the device."""
     if stream.name == "d2h":
@@ -265,6 +269,36 @@ def _sides(stream: _Stream, d: Tensor, s: Tensor) -> None:
         raise ValueError(
             f"{stream.name}: a copy from {side(s)} to {side(d)} ({tuple(s.shape)} {s.dtype}); this stream copies {want}"
         )
+
+
+class _Hooks:
+    """What the device backend reports of each operation on the device's memory
+    (:class:`~offload_adam.testing.simbackend.Hooks`)."""
+
+    def __init__(self, dev: SimulatedDevice) -> None:
+        self.dev = dev
+
+    def before_op(self, func: Any, args: Any, kwargs: Any) -> None:
+        """The thread's pending waits first; with ``check_ordering``, what it reads and writes
+        recorded."""
+        if _local.host_section:
+            return
+        if _local.pending:
+            self.dev._honour()
+        if self.dev.check_ordering:
+            self.dev.order.stamp(self.dev._lane(), func, args, kwargs)
+
+    def after_op(self, func: Any, out: Any) -> None:
+        if self.dev.check_ordering and not _local.host_section:
+            self.dev.order.stamp_fresh(self.dev._lane(), func, out)
+
+    def host_sync(self) -> None:
+        """A synchronous copy to the host (``.cpu()``, ``.item()``): the host has waited for the
+        current stream, whose later operations start a new epoch."""
+        with self.dev.order.lock:
+            lane = self.dev._lane()
+            self.dev.order.host_vc = _join(self.dev.order.host_vc, lane.clock())
+            lane.n += 1
 
 
 class SimulatedDevice:
@@ -314,8 +348,9 @@ class SimulatedDevice:
         # queued copies (what CUDA's cudaHostUnregister does), to show that tests catch it.
         self.release_waits = True
         self.graph_capture = False  # a CUDA graph capture on the current stream (capturing())
+        self.hooks = _Hooks(self)
         if not host_memory:
-            simbackend.attach(index, self)
+            simbackend.attach(index, self.hooks)
 
     # -- the compute streams ------------------------------------------------------------------
 
@@ -369,30 +404,6 @@ class SimulatedDevice:
         for e in pending:
             e.wait()
 
-    # -- what the device backend reports (simbackend.Hooks) -------------------------------------
-
-    def before_op(self, func: Any, args: Any, kwargs: Any) -> None:
-        """An operation on this device's memory: the thread's pending waits first; with
-        ``check_ordering``, what it reads and writes recorded."""
-        if _local.host_section:
-            return
-        if _local.pending:
-            self._honour()
-        if self.check_ordering:
-            self.order.stamp(self._lane(), func, args, kwargs)
-
-    def after_op(self, func: Any, out: Any) -> None:
-        if self.check_ordering and not _local.host_section:
-            self.order.stamp_fresh(self._lane(), func, out)
-
-    def host_sync(self) -> None:
-        """A synchronous copy to the host (``.cpu()``, ``.item()``): the host has waited for the
-        current stream, whose later operations start a new epoch."""
-        with self.order.lock:
-            lane = self._lane()
-            self.order.host_vc = _join(self.order.host_vc, lane.clock())
-            lane.n += 1
-
     # -- memory -------------------------------------------------------------------------------
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
@@ -441,91 +452,13 @@ class SimulatedDevice:
             lane.n += 1
             return stream.submit(op)
 
-    def _ref(self, t: Tensor, write: bool) -> _Ref:
-        alloc = self.host.alloc_of(t)
-        m = mem(t)
-        if alloc is None and self.host_memory:
-            self.device_memory.note(m)
-        blk = None if alloc is not None else self.alloc.live_block(t)
-        if alloc is None and blk is None and not write:
-            # Held weakly: the storage's Python object lives exactly as long as the storage.
-            return _Ref(weak=weakref.ref(m.untyped_storage()), geometry=(m.dtype, m.storage_offset(), m.shape, m.stride()))
-        with _host_section():
-            if alloc is not None or blk is not None:
-                # A host buffer or memory of `empty`: the copy holds the simulator's memory, not
-                # the client's storage (holding that would keep the client's release from being
-                # seen; a late copy then writes into whoever holds the memory now).
-                owned = alloc.memory if alloc is not None else blk.memory  # type: ignore[union-attr]
-                assert owned is not None, "a copy queued on a released host buffer"
-                alias = torch.empty(0, dtype=m.dtype).set_(owned.untyped_storage(), m.storage_offset(), m.shape, m.stride())
-            else:
-                alias = torch.empty(0, dtype=m.dtype).set_(m.untyped_storage(), m.storage_offset(), m.shape, m.stride())
-        if alloc is None and write:
-            # CUDA's copy_ bumps the version counter when it is launched, not when it runs.
-            bump_version(t)
-        return _Ref(alias=alias, alloc=alloc)
-
-    def _queue_copies(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any, blocking: bool) -> None:
-        if not self.host_memory:
-            for d, s in pairs:
-                _sides(stream, d, s)
-        items = [(self._ref(d, True), self._ref(s, False)) for d, s in pairs]
-        with self.order.lock:
-            self.copied_bytes[stream.name] = self.copied_bytes.get(stream.name, 0) + sum(
-                s.numel() * s.element_size() for _, s in pairs
-            )
-        if not blocking:
-            for (d, s), (dr, sr) in zip(pairs, items):
-                host_side = dr if stream is self.d2h else sr
-                if host_side.alloc is None or not host_side.alloc.pinned:
-                    self.counts["pageable_copies"] += 1
-                    if self.strict:
-                        side = "destination" if stream is self.d2h else "source"
-                        self.violations.append(
-                            f"{stream.name}: an asynchronous copy whose host {side} is not pinned ({tuple(s.shape)} {s.dtype}): "
-                            "on a GPU it is staged through driver buffers and blocks the calling thread"
-                        )
-
-        def run() -> None:
-            for d, s in items:
-                assert d.alias is not None
-                if d.alloc is not None and d.alloc.dead:
-                    self.violations.append(f"{stream.name}: a copy wrote into a released host buffer")
-                    continue
-                if s.alias is not None:
-                    if s.alloc is not None and s.alloc.dead:
-                        self.violations.append(f"{stream.name}: a copy read a released host buffer")
-                        d.alias.fill_(float("nan"))
-                        continue
-                    src = s.alias
-                else:
-                    storage = s.weak()
-                    if storage is None:  # freed while the copy was queued: the block holds garbage
-                        d.alias.fill_(float("nan"))
-                        continue
-                    dtype, offset, shape, stride = s.geometry
-                    src = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
-                d.alias.copy_(src)
-
-        with self.order.lock:
-            n = self._submit(stream, run)
-            if self.check_ordering:
-                for d, s in pairs:
-                    what = f"{stream.name} copy of {tuple(s.shape)} {s.dtype}"
-                    # A blocking copy's host side is the host's own memory (pageable or pinned),
-                    # ordered by the host; only its device side is checked.
-                    if not (blocking and stream is not self.d2h):
-                        self.order.check_copy(stream.lane, n, s, False, what)
-                    if not (blocking and stream is self.d2h):
-                        self.order.check_copy(stream.lane, n, d, True, what)
-
     def copy(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
         with on_stream(self.cuda, self.index, stream):
-            self._queue_copies(pairs, stream, blocking=False)
+            _queue_copies(self, pairs, stream, blocking=False)
 
     def copy_blocking(self, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any) -> None:
         with on_stream(self.cuda, self.index, stream):
-            self._queue_copies(pairs, stream, blocking=True)
+            _queue_copies(self, pairs, stream, blocking=True)
         self.host_wait(self.record(stream))
 
     def elapsed(self, start: Any, end: Any) -> float | None:
@@ -566,20 +499,17 @@ class SimulatedDevice:
         else:
             event.wait()
 
-    def _host_knows(self, e: SimEvent) -> None:
-        self.order.host_knows(e.vc, lambda k: k == self.compute.name or k.startswith("user"))
-
     def host_wait(self, event: Any) -> None:
         if event is not None:
             event.wait()
-            self._host_knows(event)
+            self.order.host_knows(event.vc, _compute_lane)
 
     def query(self, event: Any) -> bool:
         if event is None:
             return True
         done = bool(event.query())
         if done:
-            self._host_knows(event)
+            self.order.host_knows(event.vc, _compute_lane)
         return done
 
     def thread_context(self) -> contextlib.AbstractContextManager[None]:
@@ -624,8 +554,91 @@ class SimulatedDevice:
         self.closed = True
         for s in (self.d2h, self.h2d, self.h2d_now):
             s.stop()
-        if simbackend._hooks.get(self.index) is self:
+        if simbackend._hooks.get(self.index) is self.hooks:
             simbackend.attach(self.index, None)
+
+
+# -- copies (queued by SimulatedDevice.copy and copy_blocking) ----------------------------------------
+
+
+def _ref(dev: SimulatedDevice, t: Tensor, write: bool) -> _Ref:
+    alloc = dev.host.alloc_of(t)
+    m = mem(t)
+    if alloc is None and dev.host_memory:
+        dev.device_memory.note(m)
+    blk = None if alloc is not None else dev.alloc.live_block(t)
+    if alloc is None and blk is None and not write:
+        # Held weakly: the storage's Python object lives exactly as long as the storage.
+        return _Ref(weak=weakref.ref(m.untyped_storage()), geometry=(m.dtype, m.storage_offset(), m.shape, m.stride()))
+    with _host_section():
+        if alloc is not None or blk is not None:
+            # A host buffer or memory of `empty`: the copy holds the simulator's memory, not
+            # the client's storage (holding that would keep the client's release from being
+            # seen; a late copy then writes into whoever holds the memory now).
+            owned = alloc.memory if alloc is not None else blk.memory  # type: ignore[union-attr]
+            assert owned is not None, "a copy queued on a released host buffer"
+            alias = torch.empty(0, dtype=m.dtype).set_(owned.untyped_storage(), m.storage_offset(), m.shape, m.stride())
+        else:
+            alias = torch.empty(0, dtype=m.dtype).set_(m.untyped_storage(), m.storage_offset(), m.shape, m.stride())
+    if alloc is None and write:
+        # CUDA's copy_ bumps the version counter when it is launched, not when it runs.
+        bump_version(t)
+    return _Ref(alias=alias, alloc=alloc)
+
+def _queue_copies(dev: SimulatedDevice, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any, blocking: bool) -> None:
+    """Queues the copies ``pairs`` on ``stream`` (see the module documentation)."""
+    if not dev.host_memory:
+        for d, s in pairs:
+            _sides(stream, d, s)
+    items = [(_ref(dev, d, True), _ref(dev, s, False)) for d, s in pairs]
+    with dev.order.lock:
+        dev.copied_bytes[stream.name] = dev.copied_bytes.get(stream.name, 0) + sum(
+            s.numel() * s.element_size() for _, s in pairs
+        )
+    if not blocking:
+        for (d, s), (dr, sr) in zip(pairs, items):
+            host_side = dr if stream is dev.d2h else sr
+            if host_side.alloc is None or not host_side.alloc.pinned:
+                dev.counts["pageable_copies"] += 1
+                if dev.strict:
+                    side = "destination" if stream is dev.d2h else "source"
+                    dev.violations.append(
+                        f"{stream.name}: an asynchronous copy whose host {side} is not pinned ({tuple(s.shape)} {s.dtype}): "
+                        "on a GPU it is staged through driver buffers and blocks the calling thread"
+                    )
+
+    def run() -> None:
+        for d, s in items:
+            assert d.alias is not None
+            if d.alloc is not None and d.alloc.dead:
+                dev.violations.append(f"{stream.name}: a copy wrote into a released host buffer")
+                continue
+            if s.alias is not None:
+                if s.alloc is not None and s.alloc.dead:
+                    dev.violations.append(f"{stream.name}: a copy read a released host buffer")
+                    d.alias.fill_(float("nan"))
+                    continue
+                src = s.alias
+            else:
+                storage = s.weak()
+                if storage is None:  # freed while the copy was queued: the block holds garbage
+                    d.alias.fill_(float("nan"))
+                    continue
+                dtype, offset, shape, stride = s.geometry
+                src = torch.empty(0, dtype=dtype).set_(storage, offset, shape, stride)
+            d.alias.copy_(src)
+
+    with dev.order.lock:
+        n = dev._submit(stream, run)
+        if dev.check_ordering:
+            for d, s in pairs:
+                what = f"{stream.name} copy of {tuple(s.shape)} {s.dtype}"
+                # A blocking copy's host side is the host's own memory (pageable or pinned),
+                # ordered by the host; only its device side is checked.
+                if not (blocking and stream is not dev.d2h):
+                    dev.order.check_copy(stream.lane, n, s, False, what)
+                if not (blocking and stream is dev.d2h):
+                    dev.order.check_copy(stream.lane, n, d, True, what)
 
 
 __all__ = ["SIDE_STREAMS", "SimAllocator", "SimEvent", "SimHost", "SimulatedDevice", "UserStream", "_leaves"]

@@ -65,7 +65,7 @@ from torch import Tensor
 
 from ..runtime.device import Meter, on_device, on_stream
 from . import simbackend
-from .hb import SIDE_STREAMS, OrderChecker, _Access, _History, _join, _Lane, _leaves, bump_version
+from .hb import OrderChecker, _Access, _History, _join, _Lane, bump_version
 from .simbackend import SimTensor, mem
 from .simlegacy import DeviceMemory, HonourWaits, Stamp
 from .simstreams import SimCuda, SimEvent, UserStream, _local, _Stream
@@ -641,4 +641,4 @@ def _queue_copies(dev: SimulatedDevice, pairs: Sequence[tuple[Tensor, Tensor]], 
                     dev.order.check_copy(stream.lane, n, d, True, what)
 
 
-__all__ = ["SIDE_STREAMS", "SimAllocator", "SimEvent", "SimHost", "SimulatedDevice", "UserStream", "_leaves"]
+__all__ = ["SimAllocator", "SimEvent", "SimHost", "SimulatedDevice", "UserStream"]

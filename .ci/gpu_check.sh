@@ -51,7 +51,7 @@ export PYTHONUNBUFFERED=1 OFFLOAD_ADAM_CACHE_DIR="$WORK/cache"  # auto's calibra
 start=$SECONDS
 cap() { local c=$(($1 * DEADLINE_S / 480)); echo $((c < 1 ? 1 : c)); }  # a step's share of DEADLINE_S (timeout 0 would be none)
 log() { echo "$*" | tee -a "$OUT/env.txt"; }
-trap 'log "gpu_check: stopped by a failure at line $LINENO (exit $?): see above"' ERR
+trap 'log "PREFLIGHT FAILED at line $LINENO (exit $?): see above"; exit 1' ERR
 
 # -- preflight: exits at once on any failure ------------------------------------------------------
 log "gpu_check $(date -u +%Y-%m-%dT%H:%M:%SZ): $([ "$DRY" = 1 ] && echo "DRY RUN (no GPU: the simulated device, tiny sizes)" || echo "on the GPU"), DEADLINE_S=$DEADLINE_S"

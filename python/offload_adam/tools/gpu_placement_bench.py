@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import copy
 import gc
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import benchdev
+from .weights_bench import _timed_generate
 
 GiB = 1 << 30
 
@@ -88,29 +88,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-@torch.no_grad()
-def decode(model: torch.nn.Module, x: torch.Tensor, tokens: int) -> tuple[torch.Tensor, float, float]:
-    """Greedy decode with the default KV cache: (the tokens on the CPU, TTFT, tokens/s after the
-    first), the device synchronized at each end."""
-    from .weights_bench import _cache_key
-
-    dev, key = x.device, _cache_key(model)
-    benchdev.synchronize(dev)
-    t0 = time.perf_counter()
-    out = model(input_ids=x, use_cache=True)
-    nxt = out.logits[:, -1:].argmax(-1)
-    benchdev.synchronize(dev)
-    ttft = time.perf_counter() - t0
-    past, got = out[key], [nxt]
-    t1 = time.perf_counter()
-    for _ in range(tokens - 1):
-        out = model(input_ids=nxt, use_cache=True, **{key: past})
-        past, nxt = out[key], out.logits[:, -1:].argmax(-1)
-        got.append(nxt)
-    benchdev.synchronize(dev)
-    return torch.cat(got, 1).cpu(), ttft, (tokens - 1) / max(time.perf_counter() - t1, 1e-9)
-
-
 def budget_gb(model: torch.nn.Module, prefetch: int) -> float:
     """The ``gpu_budget_gb`` that keeps a quarter of ``model``'s weights resident beside the ring
     (and the buffers) ``placement="stream"`` makes; the same budget for every placement ("cpu"
@@ -137,9 +114,9 @@ def case(base: torch.nn.Module, dev: torch.device, placement: str, x: torch.Tens
     benchdev.reset_peak(dev)
     h = offload_adam.offload_weights(model, dev, placement=placement, gpu_budget_gb=budget, prefetch=prefetch)
     try:
-        decode(model, x[:, :8], 2)  # the first forward records the order (and "auto" measures this machine)
+        _timed_generate(model, x[:, :8], 2)  # the first forward records the order (and "auto" measures this machine)
         h.reset_stats()
-        toks, ttft, rate = decode(model, x, tokens)
+        ttft, rate, toks = _timed_generate(model, x, tokens)
         top = benchdev.peak(dev)
         r = h.report()
     finally:

@@ -143,7 +143,7 @@ def test_a_calibration_taken_under_load_is_not_stored(load: float, spread: float
 def test_measure_records_the_load_average_and_the_spread(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """costs.measure takes the load average as it begins (os.getloadavg) and the spread of each
     figure's repeats: a machine under load is measured, and refused at the store."""
-    from offload_adam.runtime import costs
+    from offload_adam.weights import costs
 
     monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))
     cores = os.cpu_count() or 1
@@ -163,7 +163,7 @@ def test_measure_records_the_load_average_and_the_spread(monkeypatch: pytest.Mon
 def test_calibrate_says_what_it_measured_and_stores_only_a_quiet_measurement(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:  # fmt: skip
-    from offload_adam.runtime import costs
+    from offload_adam.weights import costs
 
     monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))
     busy = _measurement(load_avg=7.5)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_adam import AdamW
-from offload_adam.runtime.costs import CostModel
+from offload_adam.weights.costs import CostModel
 
 pytestmark = pytest.mark.cuda
 

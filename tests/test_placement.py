@@ -17,7 +17,7 @@ import torch
 
 import offload_adam
 from offload_adam import testing
-from offload_adam.runtime.costs import CostModel
+from offload_adam.weights.costs import CostModel
 
 from helpers import to_device, to_host
 from test_weights import budget, fault_and_recover, gpt2, llama, nvme_dir, prompt, run, weight_bytes  # noqa: F401 (nvme_dir: a fixture)
@@ -222,7 +222,7 @@ def test_auto_says_which_figures_it_took_and_where_from(
         assert f"placement='auto' measured this machine ({fake(0.4).describe()}) and stored it in {where}" in caplog.text
         assert cm["host_read_gbs"] == f"20 GB/s (calibration {where}, {fake(0.4).describe()})"
         assert cm["cpu_matmul_gflops[float32]"].startswith("40 GFLOP/s at 1 row, 600 at 64 (calibration ")
-        assert cm["pcie_h2d_gbs"] == "25 GB/s (stated default (offload_adam.runtime.costs))"
+        assert cm["pcie_h2d_gbs"] == "25 GB/s (stated default (offload_adam.weights.costs))"
         assert "placement='auto' costs calls with host_read_gbs 20 GB/s" in caplog.text
         # the next offload: the file's figures, nothing measured
         monkeypatch.setattr(costs, "measure", lambda **kw: pytest.fail("measured again"))
@@ -262,7 +262,7 @@ def test_bad_placement_input_is_a_clear_error_before_anything_changes(nvme_dir: 
         ({"num_threads": 1.5}, r"num_threads must be an int >= 1 or None, got 1.5"),
         ({"host_budget_gb": -1, "storage": "nvme", "nvme_dir": nvme_dir}, r"host_budget_gb must be a number >= 0"),
         ({"host_budget_gb": 1.0}, r"host_budget_gb is only used with storage=\"nvme\""),
-        ({"cost_model": "fast"}, r"cost_model must be an offload_adam.runtime.costs.CostModel, got str"),
+        ({"cost_model": "fast"}, r"cost_model must be an offload_adam.weights.costs.CostModel, got str"),
         ({"storage": "nvme", "nvme_dir": nvme_dir, "host_budget_gb": 1e-9}, r"host_budget_gb: .* is smaller than the streaming ring"),
     ]
     for kw, match in cases:

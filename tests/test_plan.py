@@ -266,8 +266,7 @@ def test_inference_gives_tokens_per_second_per_gpu_budget(capsys: pytest.Capture
     assert f"{25e9 / weights:.2f} (PCIe)" in out and f"{3e9 / weights:.2f} (SSD)" in out
     # the largest budget: whole layers resident within 24 - 3 GiB after the ring
     layer = int(weights / 40)
-    blocks = plan._layers(40, layer)
-    res = plan.choose_resident(blocks, int(21 * GiB), 2, 0)
+    res = plan.weight_plan(40, layer, 2, int(21 * GiB)).resident
     streamed = weights - layer * len(res)
     rec = out[out.index("Recommended"):]
     # decode on the CPU from RAM (placement="auto"): the default 1-row rate, 30 GFLOP/s over 2 FLOPs

@@ -359,7 +359,7 @@ def fault_and_recover(h: Any, model: torch.nn.Module, x: torch.Tensor, want: tor
     block; once the fault is cleared, the next forwards are exact (the NVMe tests of weights
     streamed and of weights run on the CPU)."""
     assert torch.equal(to_host(model(to_device(x)).logits), want)
-    src = h.source
+    src = h.sources.nvme
     path = os.path.join(src.run.path, "weights.bin")
     victim = h.blocks[3]
     off = src.offset[victim.index]
@@ -511,9 +511,9 @@ def test_close_after_a_corrupted_page_frees_everything_and_names_what_is_lost(nv
         h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir, prefetch=1)
         model(to_device(x))
         victim = h.blocks[3]
-        path = os.path.join(h.source.run.path, "weights.bin")
+        path = os.path.join(h.sources.nvme.run.path, "weights.bin")
         with open(path, "r+b") as f:
-            f.seek(h.source.offset[victim.index] + 100)
+            f.seek(h.sources.nvme.offset[victim.index] + 100)
             f.write(b"\x7f" * 8)
         lost = [e.names[0] for e in victim.entries]
         with pytest.raises(OSError, match=r"could not be read back .*corrupted.* left on the meta device: " + lost[0]):

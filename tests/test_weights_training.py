@@ -205,11 +205,11 @@ def _crossings(h: Any) -> int:
     block whose backward reads no weight (an embedding) crosses once, and so does a block needed
     from the forward straight into the backward (the last one before the loss keeps its slot; a
     tied embedding and head is held in a slot of its own)."""
-    order = h.streamer.order  # the cycle recorded: the forward's activations, then the backward's
+    order = h.streamer.cycle.order  # the cycle recorded: the forward's activations, then the backward's
     total = 0
     for i in h.streamed:
         runs = sum(1 for k, x in enumerate(order) if x == i and (k == 0 or order[k - 1] != i))
-        total += h.blocks[i].nbytes * (1 if i in h.streamer.own or runs == 1 else 2)
+        total += h.blocks[i].nbytes * (1 if i in h.streamer.cycle.own or runs == 1 else 2)
     return total
 
 

@@ -4,7 +4,8 @@
   with one import; the step runs on the CPU in a fused SIMD multithreaded Rust kernel, with the
   state in host RAM (``storage="cpu"``) or on an SSD (``storage="nvme"``).
 * The weights: :func:`offload_weights` keeps a model's weights in pinned RAM or on an SSD and
-  streams them to the GPU block by block, for inference and for training.
+  streams them to the GPU block by block, for inference and for training; :func:`plan_weights`
+  says first where each block would live and run (a ``WeightPlan`` to print, edit and build).
 * The activations: :func:`offload_activations` moves what a forward saves for backward to pinned
   RAM or an SSD and brings it back ahead of the backward.
 
@@ -20,7 +21,7 @@ from . import _native
 from .activations import ActivationOffload, offload_activations
 from .optim.ddp import register_ddp_hook
 from .runtime.pages import remove_stale_runs, stale_runs
-from .weights import WeightOffload, offload_weights
+from .weights import WeightOffload, WeightPlan, offload_weights, plan_weights
 from .optim.optimizer import Adam, AdamW
 from .optim.schema import dequantized
 
@@ -40,4 +41,4 @@ def simd_paths() -> list[str]:
     return _native.simd_paths()
 
 
-__all__ = ["ActivationOffload", "Adam", "AdamW", "WeightOffload", "dequantized", "offload_activations", "offload_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]
+__all__ = ["ActivationOffload", "Adam", "AdamW", "WeightOffload", "WeightPlan", "dequantized", "offload_activations", "offload_weights", "plan_weights", "register_ddp_hook", "remove_stale_runs", "simd_path", "simd_paths", "stale_runs", "__version__"]

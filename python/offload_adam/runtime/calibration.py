@@ -21,7 +21,7 @@ cores, or a spread above 20%): its figures would be this moment's contention, no
 A store is atomic (a temporary file in the same folder, then ``os.replace``) and keeps, of the
 earlier measurements, the figures the new one did not measure. :func:`read` gives the figures of
 measurements taken on this CPU, each with its measurement (the later wins); ``plan`` reads them
-only with ``--this-machine``, ``placement="auto"`` always (``runtime/costs.py``).
+only with ``--this-machine``, ``placement="auto"`` always (``weights/costs.py``).
 """
 
 from __future__ import annotations

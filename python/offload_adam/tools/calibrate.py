@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from ..runtime import calibration, costs
+from ..runtime import calibration
+from ..weights import costs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,7 @@ the rest streamed or run on the CPU; the same budget under every placement), a
 - ``stream``: every call of a block not resident copies it to the GPU;
 - ``cpu``: every such call runs on the CPU from the block's host bytes (the hidden states and the
   KV cache cross instead; quantized weights on the native kernel);
-- ``auto``: per call, whichever the cost model says is cheaper (``runtime/costs.py``).
+- ``auto``: per call, whichever the cost model says is cheaper (``weights/costs.py``).
 
 Per case: time to first token (TTFT), decode tokens/s, peak GPU memory (``max_memory_allocated``
 over the offload and the decode, less what was allocated before it), and of ``report()``: the
@@ -93,11 +93,10 @@ def budget_gb(model: torch.nn.Module, prefetch: int) -> float:
     (and the buffers) ``placement="stream"`` makes; the same budget for every placement ("cpu"
     makes no general slots, and keeps more resident within it)."""
     from ..weights.blocks import find_blocks
-    from ..weights.offload import own_slot_blocks, ring_bytes
-    from ..weights.placement import host_only_blocks
+    from ..weights.plan import describe, ring_bytes
 
-    blocks = find_blocks(model)
-    ring = ring_bytes(blocks, [b.index for b in blocks], own_slot_blocks(blocks), prefetch, host_only_blocks(blocks))
+    blocks = describe(find_blocks(model))
+    ring = ring_bytes(blocks, [b.index for b in blocks], prefetch)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     return (ring + buffers + 0.25 * weight_bytes(model)) / GiB
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ..runtime import costs
+from ..weights import costs
 from ..runtime.pages import page_cache_bytes
 
 GiB = 1 << 30

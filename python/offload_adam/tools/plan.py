@@ -12,9 +12,10 @@ The host bytes of our optimizer come from :func:`offload_adam.optim.state.layout
 computation the optimizer allocates its buffers from (a test checks them against
 ``memory_report()`` of a real model); the rest (weights, gradients, FSDP2's shards) are the
 tensors' own sizes. With the weights streamed (``offload_weights``), the model is taken as
-``--layers`` equal layers, and the device ring is sized by the code that allocates it
-(:func:`offload_adam.weights.offload.ring_bytes`, and :func:`~offload_adam.weights.offload.choose_resident`
-for ``--inference``'s budgets).
+``--layers`` equal layers, planned as ``offload_weights`` plans a model
+(:func:`offload_adam.weights.plan.make_plan`: the ``WeightPlan`` that ``plan_weights`` returns and
+the offload's handle keeps): its device ring, and for ``--inference`` the layers each budget keeps
+resident.
 
 Time: a step is the forward and backward, then the optimizer step. In the first, the GPU's
 compute (6 FLOPs per parameter and token, from ``--tokens-per-step`` and ``--gpu-tflops``) and
@@ -44,8 +45,7 @@ from ..optim.schema import QBLOCK, codec_for
 from ..optim.state import SLOT_ALIGN, layout
 from ..optim.tier import PAGE_ALIGN
 from ..runtime import calibration
-from ..weights.blocks import Block
-from ..weights.offload import choose_resident, own_slot_blocks, ring_bytes
+from ..weights.plan import BlockPlan, WeightPlan, make_plan
 
 GB = 1 << 30  # memory: GiB
 G = 1e9  # bandwidth: GB/s
@@ -166,15 +166,17 @@ def optimizer_host_bytes(
     return lay.host_bytes(amsgrad=amsgrad, master=master, streamed=streamed, comp=kahan)
 
 
-def _layers(layers: int, layer_bytes: int) -> list[Block]:
-    return [Block(i, f"layers.{i}", [], nbytes=layer_bytes, layer=True) for i in range(layers)]
+def weight_plan(layers: int, layer_bytes: int, prefetch: int = 2, budget: int | None = None, storage: str = "cpu") -> WeightPlan:
+    """The plan ``offload_weights`` makes on a GPU for ``layers`` equal layers within ``budget``
+    bytes (None: every layer streamed), the one ``plan_weights`` returns for such a model."""
+    blocks = [BlockPlan(i, f"layers.{i}", layer_bytes, layer=True) for i in range(layers)]
+    return make_plan(blocks, device="cuda", storage=storage, placement="stream", prefetch=prefetch, gpu_budget=budget)
 
 
 def streamed_ring_bytes(layers: int, layer_bytes: int, prefetch: int = 2) -> int:
     """Device bytes of the ring ``offload_weights`` allocates for ``layers`` equal layers, every
     one streamed."""
-    blocks = _layers(layers, layer_bytes)
-    return ring_bytes(blocks, range(layers), own_slot_blocks(blocks), prefetch)
+    return weight_plan(layers, layer_bytes, prefetch).ring_bytes
 
 
 def _tensors(n: float, per: int, dtype: torch.dtype) -> list[tuple[int, torch.dtype]]:
@@ -509,7 +511,6 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     weights = args.params * bpp
     of_w = "" if args.weight_dtype is None else f" of {args.weight_dtype} weights"
     layer = int(weights / args.layers)
-    blocks = _layers(args.layers, layer)
     usable = (args.gpu_gb - args.reserve_gb) * GB
     ring = streamed_ring_bytes(args.layers, layer, args.prefetch)
     what = args.dtype if args.weight_dtype is None else f"{args.weight_dtype} weights, {args.dtype} activations"
@@ -555,23 +556,22 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         budget = None if b is None else int(b * GB)
         if budget is not None and budget < ring:
             continue
-        res = choose_resident(blocks, budget, args.prefetch, 0)
-        resident = sum(blocks[i].nbytes for i in res)
+        p = weight_plan(args.layers, layer, args.prefetch, budget)
+        resident = sum(p.blocks[i].nbytes for i in p.resident)
         streamed = weights - resident
-        streamed_blocks = [i for i in range(args.layers) if i not in res]
-        ring_b = ring_bytes(blocks, streamed_blocks, own_slot_blocks(blocks), args.prefetch)
+        ring_b = p.ring_bytes
         cpu_rate = r.pcie * G / streamed if streamed else math.inf
         nvme_rate = min(r.pcie, r.disk) * G / streamed if streamed else math.inf
         host_ok = streamed <= 0.9 * args.host_gb * GB
         nvme_ok = streamed <= args.nvme_gb * GB
         on_cpu = _cpu_rate(r.host * G, gemv, flops_per_byte, streamed)
-        rows.append((b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu))
+        rows.append((b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu, p))
         name = "None (stream all)" if b is None else f"{b:g}"
         cpu_col = f"{cpu_rate:.2f} (PCIe), {streamed / GB:.1f} GiB" + ("" if host_ok else " > 90% of host")
         nvme_col = f"{nvme_rate:.2f} ({'SSD' if r.disk < r.pcie else 'PCIe'})" if nvme_ok else "no NVMe space"
         place_col = f"{on_cpu:.2f}" if host_ok else "needs RAM"
         print(f"  {name:>17}  {(resident + ring_b) / GB:>6.1f} GiB  {streamed / GB:>10.1f} GiB  {cpu_col:>38}  {nvme_col:>22}  {place_col:>23}")
-    b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu = rows[-1]
+    b, resident, streamed, cpu_rate, nvme_rate, host_ok, nvme_ok, on_cpu, best = rows[-1]
     if host_ok and on_cpu > cpu_rate:
         storage, rate, by, kw = "cpu", on_cpu, "the CPU reading RAM", ', placement="auto"'
     elif host_ok:
@@ -585,6 +585,8 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
         f"\nRecommended: gpu_budget_gb={b:g}, storage=\"{storage}\": at most {rate:.2f} tokens/s at batch 1, bound by {by} "
         f"({streamed / GB:.1f} GiB{of_w} streamed per token, {resident / GB:.1f} GiB resident)"
     )
+    best = weight_plan(args.layers, layer, args.prefetch, best.gpu_budget, storage)
+    print(f"  the plan (plan_weights' WeightPlan of {args.layers} equal layers): " + "; ".join(best.totals()))
     print("  code:")
     config = _config(args)
     for line in (
@@ -625,7 +627,7 @@ def _quantize_kw(args: argparse.Namespace) -> str:
 def cpu_gemv_gflops(dtype: str, r: Rates | None = None) -> float:
     """The CPU's matmul rate at one row for ``dtype``: this machine's calibration where ``r``
     read it (``--this-machine``), else the cost model's default."""
-    from ..runtime import costs
+    from ..weights import costs
 
     got = r.cal.matmul(dtype) if r is not None and r.cal is not None else None
     return float(got[0].get("1", costs.DEFAULT_CPU_GFLOPS["1"]) if got is not None else costs.DEFAULT_CPU_GFLOPS["1"])

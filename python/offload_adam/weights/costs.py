@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import calibration
+from ..runtime import calibration
 
 log = logging.getLogger("offload_adam")
 
@@ -76,7 +76,7 @@ class CostModel:
         """Each figure the model costs ``dtype``'s calls with, and where it came from, in words."""
         name = str(dtype).removeprefix("torch.")
         by = self.cpu_gflops.get(name, DEFAULT_CPU_GFLOPS)
-        default = "stated default (offload_adam.runtime.costs)"
+        default = "stated default (offload_adam.weights.costs)"
         mm = f"{MATMUL}[{name}]"
         return {
             "host_read_gbs": f"{self.host_read_gbs:.3g} GB/s ({self.sources.get('host_read_gbs', default)})",
@@ -140,8 +140,8 @@ def cpu_matmul_gflops(dtype: torch.dtype, rows: int, d: int = 4096, rounds: int 
 def disk_read_rates(nvme_dir: str, nbytes: int = 1 << 30, rounds: int = 3) -> list[float]:
     """The ``O_DIRECT`` read rate of the disk under ``nvme_dir`` through the I/O engine, each
     repeat, GB/s (a file of ``nbytes`` written, read back in one request ``rounds`` times, removed)."""
-    from .pages import PageStore, aligned_empty
-    from .pinned import align_up
+    from ..runtime.pages import PageStore, aligned_empty
+    from ..runtime.pinned import align_up
 
     store = PageStore(nvme_dir)
     try:

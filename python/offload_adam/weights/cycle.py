@@ -54,7 +54,7 @@ class Cycle:
         self.seen: list[int] = []  # this cycle's order
         self.mismatch = False  # this cycle differs from the recorded one
         self.faulted = False  # a load failed in this cycle: its order is not recorded
-        self.next_load = 0  # the next instance to prefetch
+        self.next_load = 0  # the cursor: the next instance to prefetch
 
     def abs(self, pos: int) -> int:
         """Position ``pos`` of this cycle, counted from the first cycle."""
@@ -91,6 +91,33 @@ class Cycle:
         b, first, last = self.inst[g % n]
         p = g // n
         return b, p, p * len(self.order) + first, p * len(self.order) + last
+
+    # -- the prefetch cursor --------------------------------------------------------------------
+
+    def due(self, g: int, depth: int) -> tuple[int, int, int, int] | None:
+        """The instance at the cursor if it is within ``depth`` after instance ``g`` (the cursor
+        first moved past ``g``), as :meth:`at` gives it; None: nothing more to queue now. The
+        caller either queues it and moves on (:meth:`skip`), moves on without (loaded already,
+        or run elsewhere), or stops (no slot; not ready)."""
+        if not self.inst:
+            return None
+        self.next_load = max(self.next_load, g + 1)
+        return self.at(self.next_load) if self.next_load <= g + depth else None
+
+    def skip(self) -> None:
+        """The cursor moves to the next instance."""
+        self.next_load += 1
+
+    def read_ahead(self, n: int) -> list[int]:
+        """The blocks of the ``n`` instances from the cursor on (cyclically): read into host
+        memory ahead of their copy."""
+        k = len(self.inst)
+        return [self.inst[i % k][0] for i in range(self.next_load, self.next_load + n)] if k else []
+
+    def fault(self) -> None:
+        """A load failed: this cycle's order is not recorded; the next loads again."""
+        self.mismatch = True
+        self.faulted = True
 
     def end(self) -> tuple[bool, bool]:
         """The cycle is over: recorded as the order if it differed (and no fault cut it short).

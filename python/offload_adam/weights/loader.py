@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,26 +22,7 @@ from ..runtime.device import Device, Meter
 from ..runtime.hosted import Home
 from .blocks import Block
 from .ring import Slot
-
-
-class Source(Protocol):
-    """Where streamed blocks' bytes live on the host."""
-
-    def start(self, b: Block) -> bool:
-        """Starts bringing ``b``'s bytes into host memory (read ahead); False: no room now."""
-        ...
-
-    def host(self, b: Block) -> Tensor:
-        """``b``'s bytes in pinned host memory (waits for a read), a uint8 tensor."""
-        ...
-
-    def done(self, b: Block, event: Any) -> None:
-        """The copy reading :meth:`host` of ``b`` completes at ``event``."""
-        ...
-
-    def reset(self) -> None:
-        """After a fault: forgets what was read ahead."""
-        ...
+from .storage import Sources
 
 
 def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[int, list[list[Tensor]]]:
@@ -65,19 +46,19 @@ def placeholders(device: Device, blocks: Sequence[Block], meter: Meter) -> dict[
 
 
 class Loader:
-    """Loads blocks of ``blocks`` from ``source`` into ring slots (see the module documentation)."""
+    """Loads blocks of ``blocks`` from their ``sources`` into ring slots (see the module documentation)."""
 
     def __init__(
         self,
         device: Device,
         blocks: list[Block],
-        source: Source,
+        sources: Sources,
         placeholders: dict[int, list[list[Tensor]]],
         homes: dict[int, list[Home]],
     ) -> None:
         self.device = device
         self.blocks = blocks
-        self.source = source
+        self.sources = sources
         self.placeholders = placeholders
         self.homes = homes
         self.reset_stats()
@@ -112,7 +93,8 @@ class Loader:
         blk = self.blocks[b]
         for h in self.homes.get(b, ()):
             h.ready.wait()
-        host = self.source.host(blk)
+        src = self.sources.of(blk)
+        host = src.host(blk)
         dev.stream_waits(stream, slot.free_event)
         dev.stream_waits(stream, slot.copy_event)  # (a copy of a block dropped, maybe on the other stream)
         e0 = dev.record(stream, timing=True)
@@ -120,7 +102,7 @@ class Loader:
             dev.copy([(slot.buf[: blk.nbytes], host[: blk.nbytes])], stream)
         e1 = dev.record(stream, timing=True)
         slot.copy_event = e1
-        self.source.done(blk, e1)
+        src.done(blk, e1)
         self._copies.append((e0, e1))
         self.stats["h2d_bytes"] += blk.nbytes
         self.stats["loads"] += 1

@@ -8,96 +8,103 @@ import errno
 import itertools
 import logging
 import resource
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..runtime import checks, costs
+from ..runtime import checks
+from . import costs
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home
-from ..runtime.pages import ALIGN
-from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
+from ..runtime.pinned import PinnedArena, trim_host_memory
 from .blocks import Block, Entry, find_blocks
 from .checkpoint import Checkpoint
 from .loader import placeholders
-from .placement import PLACEMENTS, HostCalls, Placer, host_only_blocks
+from .placement import PLACEMENTS, HostCalls, Placer
+from .plan import WeightPlan, describe, make_plan, staging_slots, warn_capped
 from .quantize import Quantizer, quantize_blocks, quantizer
-from .ring import plan as ring_plan
-from .storage import HostWeights, NvmeWeights, SplitWeights
+from .storage import HostWeights, NvmeWeights, Sources
 from .streamer import Streamer
 from .undo import Undo, from_copy
 
 GiB = 1 << 30
-DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 STORAGES = ("cpu", "nvme")
 ATTR = "_offload_adam_weights"  # the model keeps its handle (and so the streamer) alive
 log = logging.getLogger("offload_adam")
 
 
-def ring_bytes(blocks: Sequence[Block], streamed: Sequence[int], own: set[int], prefetch: int, host_only: set[int] | None = None) -> int:
-    """Device bytes of the streaming ring for ``streamed`` blocks (see ``ring.py``); the slots of
-    ``host_only`` blocks (embeddings looked up on the host) are never made."""
-    size, n, made, later = ring_plan(list(blocks), list(streamed), own, prefetch, host_only=host_only)
-    skip = host_only or set()
-    return n * size + sum(blocks[b].nbytes for b in made | later if b not in skip)
+@dataclass
+class _Args:
+    """``offload_weights``' arguments, checked (``raw``: as given, what a plan keeps)."""
+
+    device: Device
+    storage: str
+    nvme_dir: Any
+    checkpoint: Any
+    gpu_budget_gb: float | None
+    prefetch: int
+    blocks: list[torch.nn.Module] | None
+    placement: str
+    host_budget_gb: float | None
+    num_threads: int | None
+    cost_model: costs.CostModel | None
+    quantize: Quantizer | None
+    native_matmul: bool | None
+    keep: frozenset[int]
+    raw: dict[str, Any]
 
 
-def staging_slots(prefetch: int, blocks: int, on_device: bool) -> int:
-    """Slots of the RAM ring NVMe pages are read into: a page being copied to the device (or run
-    by the CPU) and ``prefetch`` read ahead, and never more than the ``blocks`` it serves (on a
-    device, one more: a block's page still being copied while it is read again for the next pass)."""
-    return max(1, min(prefetch + (2 if on_device else 1), blocks + (1 if on_device else 0)))
+def _prepare(model: torch.nn.Module, a: _Args, undo: Undo) -> tuple[list[Block], Any]:
+    """The model made ready to be cut into blocks (tied, quantized), and its blocks; the
+    checkpoint still to read (None once quantize= has read it). ``undo`` puts it back."""
+    checkpoint = a.checkpoint
+    tie = getattr(model, "tie_weights", None)
+    if checkpoint is not None and callable(tie):
+        # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
+        # may come untied, and save_pretrained writes a tied parameter under one name only.
+        tie()
+    if a.quantize is not None:
+        quantize_blocks(model, a.blocks, checkpoint, a.quantize, a.keep, undo)
+        checkpoint = None  # (read: the model is on the host now, quantized)
+    return find_blocks(model, a.blocks, a.keep), checkpoint
 
 
-def own_slot_blocks(blocks: Sequence[Block]) -> set[int]:
-    """Blocks that need a slot of their own: run by several modules (tied parameters), or
-    holding parameters of a module that runs other blocks (they stay needed meanwhile)."""
-    triggers = {id(m): b.index for b in blocks for m in b.modules}
-    own = set()
-    for b in blocks:
-        if b.shared:
-            own.add(b.index)
-            continue
-        if not b.layer:
-            for m in b.modules:
-                if any(id(c) in triggers and triggers[id(c)] != b.index for c in m.modules()):
-                    own.add(b.index)
-    return own
+def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Tensor]]:
+    return [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
 
 
-def choose_resident(
-    blocks: Sequence[Block], budget: int | None, prefetch: int, buffers: int,
-    ring: Callable[[list[int]], int] | None = None, what: str = "gpu_budget_gb", among: Sequence[int] | None = None,
-) -> set[int]:  # fmt: skip
-    """The blocks kept resident within ``budget`` bytes (None: none), after the ring: small
-    blocks first (not layers, by size), then layers in order. Raises if the ring alone (with
-    the buffers, always resident) does not fit. ``ring``: the ring's bytes for the blocks left
-    streamed (default: the device's, see ``ring.py``); ``what`` names the budget in the error;
-    ``among``: the blocks that may be kept (default: all)."""
-    own = own_slot_blocks(blocks)
-    every = [b.index for b in blocks] if among is None else list(among)
-    if budget is None:
-        return set()
-    ring_of = ring or (lambda streamed: ring_bytes(blocks, streamed, own, prefetch))
+def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args) -> WeightPlan:
+    """The plan of ``blocks`` under the arguments ``a`` (pure: see ``plan.py``)."""
+    kept = [p for p in model.parameters() if id(p) in a.keep]
+    buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in _buffers(model)) + sum(p.numel() * p.element_size() for p in kept)
+    on_device = not isinstance(a.device, HostDevice)
+    p = make_plan(
+        describe(blocks), device=str(a.device.torch_device) if on_device else "cpu", storage=a.storage,
+        placement=a.placement, prefetch=a.prefetch, buffer_bytes=buffer_bytes, on_device=on_device,
+        gpu_budget=None if a.gpu_budget_gb is None else int(a.gpu_budget_gb * GiB),
+        host_budget=None if a.host_budget_gb is None else int(a.host_budget_gb * GiB),
+    )  # fmt: skip
+    p.args = dict(a.raw)
+    return p
 
-    def cost(res: set[int]) -> int:
-        streamed = [i for i in every if i not in res]
-        return buffers + sum(blocks[i].nbytes for i in res) + ring_of(streamed)
 
-    if cost(set()) > budget:
-        raise ValueError(
-            f"{what}: {budget / GiB:.4g} GiB is smaller than the streaming ring with prefetch={prefetch} "
-            f"({cost(set()) / GiB:.4g} GiB, buffers included)"
-        )
-    order = sorted((i for i in every if not blocks[i].layer), key=lambda i: blocks[i].nbytes) + [i for i in every if blocks[i].layer]
-    res: set[int] = set()
-    for i in order:
-        if cost(res | {i}) <= budget:
-            res.add(i)
-    return res
+def _matched(plan: WeightPlan, found: WeightPlan) -> WeightPlan:
+    """``plan`` (a user's, maybe edited), once its blocks are seen to be the model's: the plan
+    ``found`` made for them (names and bytes)."""
+    if len(plan.blocks) != len(found.blocks):
+        raise ValueError(f"plan: {len(plan.blocks)} blocks, the model has {len(found.blocks)} (a plan of another model?)")
+    for mine, theirs in zip(plan.blocks, found.blocks):
+        if (mine.name, mine.nbytes) != (theirs.name, theirs.nbytes):
+            raise ValueError(
+                f"plan: block {mine.index} is {mine.name} of {mine.nbytes} bytes, the model's is {theirs.name} of "
+                f"{theirs.nbytes} bytes (a plan of another model?)"
+            )
+    if (plan.device, plan.on_device) != (found.device, found.on_device):
+        raise ValueError(f"plan: made for device {plan.device}, the offload runs on {found.device}")
+    return plan
 
 
 def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
@@ -133,162 +140,131 @@ def _to_meta(e: Entry) -> None:
 
 
 class WeightOffload:
-    """The handle :func:`offload_weights` returns: ``report()``, ``reset_stats()``, ``close()``."""
+    """The handle :func:`offload_weights` returns: ``plan`` (what it built: see
+    :func:`plan_weights`), ``report()``, ``reset_stats()``, ``close()``."""
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        device: Device,
-        *,
-        storage: str,
-        nvme_dir: Any,
-        checkpoint: Any,
-        gpu_budget_gb: float | None,
-        prefetch: int,
-        blocks: list[torch.nn.Module] | None,
-        placement: str = "stream",
-        host_budget_gb: float | None = None,
-        num_threads: int | None = None,
-        cost_model: costs.CostModel | None = None,
-        quantize: Quantizer | None = None,
-        native_matmul: bool | None = None,
-        keep: frozenset[int] = frozenset(),
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, a: _Args, plan: WeightPlan | None = None) -> None:
         self.model = model
-        self.device = device
-        self.storage = storage
-        self.placement = placement if not isinstance(device, HostDevice) else "cpu"
-        on_device = not isinstance(device, HostDevice)
+        self.device = device = a.device
+        self.num_threads = a.num_threads
+        self.native_matmul = a.native_matmul
         with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
-            tie = getattr(model, "tie_weights", None)
-            if checkpoint is not None and callable(tie):
-                # As accelerate's load_checkpoint_and_dispatch: an empty model (init_empty_weights)
-                # may come untied, and save_pretrained writes a tied parameter under one name only.
-                tie()
-            if quantize is not None:
-                quantize_blocks(model, blocks, checkpoint, quantize, keep, undo)
-                checkpoint = None  # (read: the model is on the host now, quantized)
-            self.blocks = find_blocks(model, blocks, keep)
+            self.blocks, checkpoint = _prepare(model, a, undo)
+            found = _plan_of(model, self.blocks, a)
+            self.plan = found if plan is None else _matched(plan, found)
+            warn_capped(self.plan, 4)
             # resident=: parameters in no block, on the device for the whole offload (as buffers)
-            self.kept = [p for p in model.parameters() if id(p) in keep]
+            self.kept = [p for p in model.parameters() if id(p) in a.keep]
             self.meter = Meter()
             self.arena = PinnedArena(device)
-            buffers = [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
-            buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in buffers) + sum(p.numel() * p.element_size() for p in self.kept)
-            own = own_slot_blocks(self.blocks)
-            host_only = host_only_blocks(self.blocks)
-            every = [b.index for b in self.blocks]
-            page = lambda streamed: max((align_up(self.blocks[i].nbytes, ALIGN) for i in streamed), default=0)  # noqa: E731
-            host_budget = None if host_budget_gb is None else int(host_budget_gb * GiB)
-            if on_device:
-                # Whole blocks on the device within gpu_budget_gb, after the ring (placement "cpu"
-                # makes no general slots: a call that must stream makes its slot then).
-                general = self.placement != "cpu"
-
-                def device_ring(streamed: list[int]) -> int:
-                    size, n, made, later = ring_plan(self.blocks, streamed, own, prefetch, general, host_only)
-                    return n * size + sum(self.blocks[i].nbytes for i in made | later if i not in host_only)
-
-                budget = None if gpu_budget_gb is None else int(gpu_budget_gb * GiB)
-                self.resident = choose_resident(self.blocks, budget, prefetch, buffer_bytes, ring=device_ring)
-            elif storage == "cpu":
-                self.resident = set(every)  # the host is the device: every block in RAM, nothing to stream
-            else:
-                # The CPU runs the model: whole blocks in RAM within host_budget_gb, after the RAM ring
-                # of prefetch + 1 pages the others are read into (None: none in RAM).
-                self.resident = choose_resident(
-                    self.blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
-                    ring=lambda streamed: staging_slots(prefetch, len(streamed), False) * page(streamed),
-                )  # fmt: skip
-            streamed = [b.index for b in self.blocks if b.index not in self.resident]
-            self.streamed = streamed
-            if prefetch > len(streamed):
-                # More blocks ahead than there are to read: the rings never hold more than the
-                # streamed blocks (prefetch=10**9 would allocate slots until memory ran out). Where
-                # nothing streams (every block resident) there is no ring, and nothing to say.
-                if prefetch > DEFAULT_PREFETCH and streamed:
-                    warnings.warn(
-                        f"offload_weights: prefetch={prefetch} is more than the {len(streamed)} streamed block"
-                        f"{'s' if len(streamed) != 1 else ''}; capped at {len(streamed)}",
-                        stacklevel=3,
-                    )
-                prefetch = len(streamed)
-            self.in_ram: set[int] = set()  # streamed blocks host_budget_gb keeps in RAM (a GPU, storage="nvme")
-            if on_device and storage == "nvme" and host_budget is not None:
-                self.in_ram = choose_resident(
-                    self.blocks, host_budget, prefetch, 0, what="host_budget_gb", among=streamed,
-                    ring=lambda rest: staging_slots(prefetch, len(rest), True) * page(rest),
-                )  # fmt: skip
+            self.sources = self._sources(a.nvme_dir)
+            for src in self.sources:
+                undo.add(src.close)
+            self.placeholders = placeholders(device, [self.blocks[i] for i in self.streamed], self.meter)
             ck = Checkpoint(checkpoint) if checkpoint is not None else None
-            where = ck.locate(self.blocks, set(model.state_dict(keep_vars=True))) if ck is not None else None
-            stream_blocks = [self.blocks[i] for i in streamed]
-            if storage == "nvme" and self.in_ram:
-                on_disk = [b for b in stream_blocks if b.index not in self.in_ram]
-                self.source: HostWeights | NvmeWeights | SplitWeights = SplitWeights(
-                    HostWeights(self.arena, [b for b in stream_blocks if b.index in self.in_ram]),
-                    NvmeWeights(device, self.arena, nvme_dir, on_disk, staging_slots(prefetch, len(on_disk), on_device)),
-                    self.in_ram,
-                )
-            elif storage == "nvme":
-                slots = staging_slots(prefetch, len(stream_blocks), on_device)
-                self.source = NvmeWeights(device, self.arena, nvme_dir, stream_blocks, slots)
-            else:
-                self.source = HostWeights(self.arena, stream_blocks)
-            undo.add(self.source.close)
-            self.placeholders = placeholders(device, [self.blocks[i] for i in streamed], self.meter)
             try:
-                self._fill(ck, where, buffers, undo)
-                self.source.pin()
+                self._fill(ck, _buffers(model), undo)
+                for src in self.sources:
+                    src.pin()
             finally:
                 if ck is not None:
                     ck.close()
+            self.homes = self._homes(undo)
+            self.placer = self._placer(a.cost_model)
             triggers = {id(m): b.index for b in self.blocks for m in b.modules}
             guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
-            # Each streamed parameter's home: its host copy, which an optimizer's step writes (the
-            # next forward streams it from there); NVMe keeps none in memory.
-            self.homes: dict[int, list[Home]] = {}
-            undo.add(self._unset_homes)  # (undone before the fill: a parameter with a home, a weak reference, cannot be swapped back)
-            for i in streamed:
-                b = self.blocks[i]
-                host = self.source.view(b) if isinstance(self.source, (HostWeights, SplitWeights)) else None
-                self.homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, device, b.name) for e in b.entries]
-                for e, h in zip(b.entries, self.homes[i]):
-                    set_home(e.param, h)
-            # placement="auto": the cost model, and where its figures came from (report(), the log)
-            self.cost_model: dict[str, str] | None = None
-            if self.placement == "auto":
-                dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
-                if cost_model is None:
-                    cost_model = costs.cached_model(dtype)
-                self.cost_model = cost_model.describe(dtype)
-                log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
-            self.placer = Placer(self.placement, self.blocks, cost_model, on_device)
-            self.streamer = Streamer(
-                device, self.blocks, streamed, own, self.source, prefetch, self.meter, guess, self.placeholders, self.homes,
-                placer=self.placer,
-            )  # fmt: skip
+            self.streamer = Streamer(device, self.blocks, self.plan, self.sources, self.meter, guess, self.placeholders, self.homes, self.placer)
             undo.add(self.streamer.close)
-            # The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
-            # streamed block's modules that may run there, and with the CPU as the device every block's.
-            # A streamed embedding is looked up on the host under every placement (its rows cross, not
-            # its table): its block's modules get the hooks too.
-            self.host_calls: HostCalls | None = None
-            looked_up = {i for i in self.streamed if any(isinstance(m, torch.nn.Embedding) for m in self.blocks[i].modules)}
-            if self.placement != "stream" or num_threads is not None or (on_device and looked_up):
-                cpu_runs = self.placement != "stream" or not on_device  # blocks other than lookups run on the CPU
-                self.host_calls = HostCalls(device, self.blocks, self.streamer.decided, num_threads, native_matmul if cpu_runs else False)
-                undo.add(self.host_calls.close)
-                for b in self.blocks:
-                    if (b.index in self.streamed and (cpu_runs or b.index in looked_up)) or not on_device:
-                        for m in b.modules:
-                            self.host_calls.attach(m, b.index)
-            self.prefetch = prefetch
-            self.num_threads = num_threads
-            self.native_matmul = native_matmul
+            self.host_calls = self._host_calls(undo)
             self.closed = False
             setattr(model, ATTR, self)
 
-    def _fill(self, ck: Checkpoint | None, where: Any, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
+    # -- the plan's figures, as the handle has always named them ---------------------------------
+
+    @property
+    def storage(self) -> str:
+        return self.plan.storage
+
+    @property
+    def placement(self) -> str:
+        return self.plan.placement
+
+    @property
+    def prefetch(self) -> int:
+        """The prefetch used (never more than the streamed blocks)."""
+        return self.plan.ahead
+
+    @property
+    def resident(self) -> set[int]:
+        return self.plan.resident
+
+    @property
+    def streamed(self) -> list[int]:
+        return self.plan.streamed
+
+    # -- building -------------------------------------------------------------------------------
+
+    def _sources(self, nvme_dir: Any) -> Sources:
+        """Where the streamed blocks live: pinned RAM, NVMe pages, or both (``host_budget_gb``)."""
+        p = self.plan
+        ram = [self.blocks[i] for i in p.streamed if p.blocks[i].home == "ram"]
+        disk = [self.blocks[i] for i in p.on_nvme]
+        host = HostWeights(self.arena, ram) if ram or p.storage == "cpu" else None
+        try:
+            slots = staging_slots(p.ahead, len(disk), p.on_device)
+            nvme = NvmeWeights(self.device, self.arena, nvme_dir, disk, slots) if p.storage == "nvme" else None
+        except BaseException:
+            if host is not None:
+                host.close()
+            raise
+        return Sources(host, nvme, {b.index for b in ram})
+
+    def _homes(self, undo: Undo) -> dict[int, list[Home]]:
+        """Each streamed parameter's home: its host copy, which an optimizer's step writes (the
+        next forward streams it from there); NVMe keeps none in memory."""
+        homes: dict[int, list[Home]] = {}
+        undo.add(self._unset_homes)  # (undone before the fill: a parameter with a home, a weak reference, cannot be swapped back)
+        self.homes = homes
+        for i in self.streamed:
+            b = self.blocks[i]
+            host = self.sources.of(b).view(b)
+            homes[i] = [Home(e.view(host) if host is not None and not e.wrapped else None, self.device, b.name) for e in b.entries]
+            for e, h in zip(b.entries, homes[i]):
+                set_home(e.param, h)
+        return homes
+
+    def _placer(self, cost_model: costs.CostModel | None) -> Placer:
+        """Where each call runs; with placement="auto", the cost model, and where its figures
+        came from (report(), the log)."""
+        self.cost_model: dict[str, str] | None = None
+        if self.placement == "auto":
+            dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
+            if cost_model is None:
+                cost_model = costs.cached_model(dtype)
+            self.cost_model = cost_model.describe(dtype)
+            log.info("offload_adam: placement='auto' costs calls with %s", "; ".join(f"{k} {v}" for k, v in self.cost_model.items()))
+        return Placer(self.plan, self.blocks, cost_model)
+
+    def _host_calls(self, undo: Undo) -> HostCalls | None:
+        """The hooks of calls run on the CPU (tensors across, KV cache, threads, time): every
+        streamed block's modules that may run there, and with the CPU as the device every block's.
+        A streamed embedding is looked up on the host under every placement (its rows cross, not
+        its table): its block's modules get the hooks too."""
+        on_device = self.plan.on_device
+        looked_up = {i for i in self.streamed if any(isinstance(m, torch.nn.Embedding) for m in self.blocks[i].modules)}
+        if not (self.placement != "stream" or self.num_threads is not None or (on_device and looked_up)):
+            return None
+        cpu_runs = self.placement != "stream" or not on_device  # blocks other than lookups run on the CPU
+        hc = HostCalls(self.device, self.blocks, self.placer, self.num_threads, self.native_matmul if cpu_runs else False)
+        undo.add(hc.close)
+        streamed = set(self.streamed)
+        for b in self.blocks:
+            if (b.index in streamed and (cpu_runs or b.index in looked_up)) or not on_device:
+                for m in b.modules:
+                    hc.attach(m, b.index)
+        return hc
+
+    def _fill(self, ck: Checkpoint | None, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
         the model's own tensors or the checkpoint, block by block, its parameters then pointed
         at their placeholders or device copies; ``undo`` records how to put each back (see
@@ -298,9 +274,12 @@ class WeightOffload:
         block; the others' tensors are kept until the offload is complete (the host holds them
         anyway: they go to NVMe or the GPU)."""
         dev = self.device
+        where = ck.locate(self.blocks, set(self.model.state_dict(keep_vars=True))) if ck is not None else {}
+        every_resident = self.resident
         for b in self.blocks:
-            resident = b.index in self.resident
-            dst = torch.empty(b.nbytes, dtype=torch.uint8) if resident else self.source.staging(b)
+            resident = b.index in every_resident
+            src = self.sources.of(b)
+            dst = torch.empty(b.nbytes, dtype=torch.uint8) if resident else src.staging(b)
             if ck is not None:
                 ck.read_block(b, where, dst)
             else:
@@ -316,9 +295,8 @@ class WeightOffload:
                 parts = [outs[i:j] for i, j in zip(cuts, cuts[1:])]
                 copied = isinstance(dev, HostDevice)  # (the CPU as the device: this copy is theirs, ordinary host tensors)
             else:
-                self.source.store_block(b)
-                if isinstance(self.source, (HostWeights, SplitWeights)):
-                    host = self.source.view(b)
+                src.store_block(b)
+                host = src.view(b)
                 copied = host is not None
                 parts = self.placeholders[b.index]
             for e, part in zip(b.entries, parts):
@@ -364,58 +342,58 @@ class WeightOffload:
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
         ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0); with
         ``placement="auto"``, ``cost_model``: each figure its choices take and where it came from
-        (``runtime/costs.py``; None otherwise)."""
-        st = self.streamer
-        h2d_s, stall_s = st.timings()
-        on_device = not isinstance(self.device, HostDevice)
-        resident = sum(self.blocks[i].nbytes for i in self.resident) + sum(
+        (``weights/costs.py``; None otherwise)."""
+        ld = self.streamer.loader
+        p = self.plan
+        h2d_s, stall_s = ld.timings()
+        resident = sum(self.blocks[i].nbytes for i in p.resident) + sum(
             t.numel() * t.element_size() for t in [*self.model.buffers(), *self.kept]
         )
-        nvme = self.source.nvme if isinstance(self.source, SplitWeights) else self.source
         hc = (
             self.host_calls.report()
             if self.host_calls is not None
             else {"cpu_s": 0.0, "hidden_bytes": 0, "kv_bytes": 0, "native_calls": 0, "torch_calls": 0, "native_bf16": False}
         )
         out: dict[str, Any] = {
-            "device": str(self.device.torch_device) if on_device else "cpu",
-            "placement": self.placement,
+            "device": p.device,
+            "placement": p.placement,
             "cost_model": self.cost_model,
-            "gpu_peak_bytes": self.meter.peak if on_device else 0,
-            "gpu_resident_bytes": resident if on_device else 0,
-            "ring_bytes": st.ring_bytes,
-            "host_pinned_bytes": self.arena.nbytes if on_device else 0,
-            "host_resident_bytes": (resident if not on_device else 0) + sum(self.blocks[i].nbytes for i in self.in_ram),
-            "host_ring_bytes": nvme.ring.nbytes if isinstance(nvme, NvmeWeights) else 0,
-            "nvme_bytes": self.source.nvme_bytes,
-            "weights_bytes": sum(b.nbytes for b in self.blocks),
-            "streamed_bytes": sum(self.blocks[i].nbytes for i in self.streamed),
-            "h2d_bytes": st.stats["h2d_bytes"],
+            "gpu_peak_bytes": self.meter.peak if p.on_device else 0,
+            "gpu_resident_bytes": resident if p.on_device else 0,
+            "ring_bytes": self.streamer.ring.nbytes,
+            "host_pinned_bytes": self.arena.nbytes if p.on_device else 0,
+            "host_resident_bytes": (resident if not p.on_device else 0) + sum(self.blocks[i].nbytes for i in p.in_ram),
+            "host_ring_bytes": sum(s.ring_bytes for s in self.sources),
+            "nvme_bytes": sum(s.nvme_bytes for s in self.sources),
+            "weights_bytes": sum(b.nbytes for b in p.blocks),
+            "streamed_bytes": sum(p.blocks[i].nbytes for i in p.streamed),
+            "h2d_bytes": ld.stats["h2d_bytes"],
             "h2d_s": h2d_s,
             "stall_s": stall_s,
-            "passes": st.stats["passes"],
-            "loads": st.stats["loads"],
-            "on_demand_loads": st.stats["on_demand"],
+            "passes": ld.stats["passes"],
+            "loads": ld.stats["loads"],
+            "on_demand_loads": ld.stats["on_demand"],
             "calls": {ph: dict(c) for ph, c in self.placer.counts.items()},
             **hc,
             "host_rss_peak_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "page_cache_bytes": nvme.store.page_cache_bytes() if isinstance(nvme, NvmeWeights) else 0,
-            "blocks": len(self.blocks),
-            "streamed_blocks": len(self.streamed),
-            "prefetch": self.prefetch,
-            "storage": self.storage,
+            "page_cache_bytes": sum(s.page_cache_bytes() for s in self.sources),
+            "blocks": len(p.blocks),
+            "streamed_blocks": len(p.streamed),
+            "prefetch": p.ahead,
+            "storage": p.storage,
         }
-        out.update(self.source.io_stats())
+        for s in self.sources:
+            out.update(s.io_stats())
         return out
 
     def reset_stats(self) -> None:
         """Starts the counters of ``report()`` (bytes moved, times, loads, calls) afresh."""
-        self.streamer.reset_stats()
+        self.streamer.loader.reset_stats()
         self.placer.reset_stats()
         if self.host_calls is not None:
             self.host_calls.reset_stats()
-        if isinstance(self.source, (NvmeWeights, SplitWeights)):
-            self.source.stats.reset()
+        for s in self.sources:
+            s.reset_stats()
 
     # -- the end --------------------------------------------------------------------------------
 
@@ -451,7 +429,7 @@ class WeightOffload:
                         e.attach([self._to_host(t) for t in e.tensors()])
                     continue
                 try:
-                    data = self.source.read(b)
+                    data = self.sources.of(b).read(b)
                 except OSError as err:
                     lost.append((b.name, err))
                     for e in b.entries:
@@ -467,7 +445,8 @@ class WeightOffload:
                 set_data(p, self._to_host(p.detach()))
         finally:
             try:
-                self.source.close()
+                for s in self.sources:
+                    s.close()
             finally:
                 self.streamer.loader.placeholders = self.placeholders = {}
                 if getattr(self.model, ATTR, None) is self:
@@ -501,6 +480,13 @@ class WeightOffload:
         self.close()
 
 
+_DEFAULTS: dict[str, Any] = {
+    "device": None, "storage": "cpu", "nvme_dir": None, "checkpoint": None, "gpu_budget_gb": None, "prefetch": 2,
+    "blocks": None, "placement": "stream", "host_budget_gb": None, "num_threads": None, "cost_model": None,
+    "quantize": None, "native_matmul": None, "resident": None,
+}  # offload_weights' defaults (a plan's arguments are given over them)
+
+
 def offload_weights(
     model: torch.nn.Module,
     device: Any = None,
@@ -518,6 +504,7 @@ def offload_weights(
     quantize: Any = None,
     native_matmul: bool | None = None,
     resident: Callable[[str, torch.nn.Parameter], bool] | None = None,
+    plan: WeightPlan | None = None,
 ) -> WeightOffload:
     """Keeps ``model``'s weights on the host and streams them to ``device`` block by block,
     ahead of need, for inference and for training (build the optimizer after this call; the step
@@ -588,7 +575,7 @@ def offload_weights(
             kernel sums in float32 and rounds once, as torch does, in another order: the logits
             agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured
-            once and cached: see ``offload_adam.runtime.costs``).
+            once and cached: see ``offload_adam.weights.costs``).
         resident: a function of (name, parameter) returning a bool: the parameters it accepts
             are in no block, kept on the device for the whole offload as the buffers are
             (default: None, none): a LoRA adapter trained over a streamed frozen base
@@ -605,14 +592,105 @@ def offload_weights(
             (traceable tensor subclasses, as torchao's) are stored and streamed as their inner
             tensors, whether quantized here or before the call.
 
+        plan: a :class:`~offload_adam.weights.plan.WeightPlan` from :func:`plan_weights`, maybe
+            edited (a block's ``home``): built exactly, with the arguments it was made with (the
+            others are then left at their defaults); one that does not fit its budgets, or made
+            for another model, is refused naming the block, before anything changes (default:
+            None, the plan these arguments make).
+
     Returns:
-        The ``WeightOffload`` handle (``report()``, ``reset_stats()``, ``close()``; a context
-        manager). Bad arguments are refused before anything changes. A failure after (an I/O
+        The ``WeightOffload`` handle (``plan``, ``report()``, ``reset_stats()``, ``close()``; a
+        context manager). Bad arguments are refused before anything changes. A failure after (an I/O
         error storing a block, a ``quantize=`` that raises, the device out of memory) puts the
         model back as it was, bitwise: every parameter (the same object under every name, so
         ties hold; a model filled from a checkpoint back on the meta device), buffer and module
         attribute; what the offload wrote under ``nvme_dir`` is removed, and the error raised.
     """
+    given = {k: v for k, v in locals().items() if k not in ("model", "plan")}
+    if plan is not None:
+        if not isinstance(plan, WeightPlan):
+            raise TypeError(f"plan must be a WeightPlan (offload_adam.plan_weights), got {type(plan).__name__}")
+        changed = [k for k, v in given.items() if v is not _DEFAULTS[k] and v != _DEFAULTS[k]]
+        if changed:
+            raise ValueError(f"plan: it holds the arguments it was made with; {', '.join(changed)} given too (pass them to plan_weights)")
+        plan.check()
+        given = {**_DEFAULTS, **plan.args}
+    return WeightOffload(model, _check_args(model, **given), plan)
+
+
+def plan_weights(
+    model: torch.nn.Module,
+    device: Any = None,
+    *,
+    storage: str = "cpu",
+    nvme_dir: Any = None,
+    checkpoint: Any = None,
+    gpu_budget_gb: float | None = None,
+    prefetch: int = 2,
+    blocks: list[torch.nn.Module] | None = None,
+    placement: str = "stream",
+    host_budget_gb: float | None = None,
+    num_threads: int | None = None,
+    cost_model: costs.CostModel | None = None,
+    quantize: Any = None,
+    native_matmul: bool | None = None,
+    resident: Callable[[str, torch.nn.Parameter], bool] | None = None,
+) -> WeightPlan:
+    """What :func:`offload_weights` with these arguments would build, without building it: a
+    :class:`~offload_adam.weights.plan.WeightPlan` (accelerate's ``infer_auto_device_map``) that
+    lists each block (its name, bytes, where it lives: ``device``, ``ram`` or ``nvme``, and where
+    it may run), the device ring, the RAM ring and the bytes per tier. ``print(plan)`` shows it
+    as a table; ``plan.blocks[i].home`` may be edited (a streamed block made resident, a block
+    kept in RAM) and the plan built with ``offload_weights(model, plan=plan)``.
+
+    The model is left as it was (``quantize=`` quantizes it to know the blocks' bytes, and puts
+    it back); the arguments are checked as :func:`offload_weights` checks them.
+
+    For example::
+
+        plan = offload_adam.plan_weights(model, gpu_budget_gb=6)
+        print(plan)
+        plan.blocks[-1].home = "device"      # the head resident too
+        h = offload_adam.offload_weights(model, plan=plan)   # refused if it no longer fits
+
+    Args:
+        model: as for :func:`offload_weights`.
+        device: as for :func:`offload_weights`.
+        storage: as for :func:`offload_weights`.
+        nvme_dir: as for :func:`offload_weights` (checked, not written).
+        checkpoint: as for :func:`offload_weights` (its headers read; with ``quantize``, its blocks).
+        gpu_budget_gb: as for :func:`offload_weights`.
+        prefetch: as for :func:`offload_weights`.
+        blocks: as for :func:`offload_weights`.
+        placement: as for :func:`offload_weights`.
+        host_budget_gb: as for :func:`offload_weights`.
+        num_threads: as for :func:`offload_weights`.
+        cost_model: as for :func:`offload_weights`.
+        quantize: as for :func:`offload_weights`.
+        native_matmul: as for :func:`offload_weights`.
+        resident: as for :func:`offload_weights`.
+
+    Returns:
+        The ``WeightPlan``; it keeps these arguments (``plan.args``) for ``offload_weights(model, plan=plan)``.
+    """
+    a = _check_args(**locals())
+    undo = Undo(model)
+    try:
+        found, _ = _prepare(model, a, undo)
+        return _plan_of(model, found, a)
+    finally:
+        undo.undo()
+
+
+def _check_args(
+    model: torch.nn.Module, device: Any, storage: str, nvme_dir: Any, checkpoint: Any, gpu_budget_gb: float | None,
+    prefetch: int, blocks: list[torch.nn.Module] | None, placement: str, host_budget_gb: float | None,
+    num_threads: int | None, cost_model: costs.CostModel | None, quantize: Any, native_matmul: bool | None,
+    resident: Callable[[str, torch.nn.Parameter], bool] | None,
+) -> _Args:  # fmt: skip
+    """``offload_weights``' arguments checked (a clear error naming the argument, before
+    anything changes), and the device resolved."""
+    raw = {k: v for k, v in locals().items() if k != "model"}
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
     if storage == "nvme":
@@ -641,38 +719,38 @@ def offload_weights(
     if native_matmul is not None and not isinstance(native_matmul, bool):
         raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
-        raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
+        raise TypeError(f"cost_model must be an offload_adam.weights.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
     if checkpoint is not None:
         # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
         # changes: tie_weights() and quantize= act on the model before the offload reads it.
         Checkpoint(checkpoint).close()
-    keep: frozenset[int] = frozenset()
-    if resident is not None:
-        if not callable(resident):
-            raise TypeError(f"resident must be a function of (name, parameter), got {type(resident).__name__}")
-        kept = []
-        for n, p in model.named_parameters():
-            answer = resident(n, p)
-            if not isinstance(answer, bool):  # (a truthy string would keep every parameter)
-                got = f"a {type(answer).__name__}" if isinstance(answer, Tensor) else f"{answer!r} (of type {type(answer).__name__})"
-                raise TypeError(f"resident must return a bool, got {got} for {n}")
-            if answer:
-                kept.append((n, p))
-        on_meta = [n for n, p in kept if p.device.type == "meta"]
-        if on_meta:
-            raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")
-        if kept and placement != "stream":
-            raise ValueError(f"resident: parameters kept on the device need placement='stream' (a block run on the CPU reads them), got {placement!r}")
-        keep = frozenset(id(p) for _, p in kept)
+    keep = _kept(model, resident, placement) if resident is not None else frozenset()
     quantize_fn = quantizer(quantize) if quantize is not None else None
-    dev = _run_device(device)
-    return WeightOffload(
-        model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
-        prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,
-        host_budget_gb=host_budget_gb, num_threads=num_threads, cost_model=cost_model, quantize=quantize_fn,
-        native_matmul=native_matmul, keep=keep,
+    return _Args(
+        _run_device(device), storage, nvme_dir, checkpoint, gpu_budget_gb, prefetch, list(blocks) if blocks is not None else None,
+        placement, host_budget_gb, num_threads, cost_model, quantize_fn, native_matmul, keep, raw,
     )  # fmt: skip
+
+
+def _kept(model: torch.nn.Module, resident: Any, placement: str) -> frozenset[int]:
+    """The parameters ``resident`` keeps on the device (by ``id``), checked."""
+    if not callable(resident):
+        raise TypeError(f"resident must be a function of (name, parameter), got {type(resident).__name__}")
+    kept = []
+    for n, p in model.named_parameters():
+        answer = resident(n, p)
+        if not isinstance(answer, bool):  # (a truthy string would keep every parameter)
+            got = f"a {type(answer).__name__}" if isinstance(answer, Tensor) else f"{answer!r} (of type {type(answer).__name__})"
+            raise TypeError(f"resident must return a bool, got {got} for {n}")
+        if answer:
+            kept.append((n, p))
+    on_meta = [n for n, p in kept if p.device.type == "meta"]
+    if on_meta:
+        raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")
+    if kept and placement != "stream":
+        raise ValueError(f"resident: parameters kept on the device need placement='stream' (a block run on the CPU reads them), got {placement!r}")
+    return frozenset(id(p) for _, p in kept)
 
 
 def _run_device(device: Any) -> Device:

@@ -5,7 +5,7 @@
   NVMe page is read into); the call's tensors cross to the host before it and its outputs back
   after: at decode, the hidden states (kilobytes) instead of the block's weights. A decoder
   layer that runs on the CPU keeps its KV cache on the host.
-- ``"auto"``: per call, the cheaper of the two by the cost model (``runtime/costs.py``) for the
+- ``"auto"``: per call, the cheaper of the two by the cost model (``weights/costs.py``) for the
   call's rows: a decode step runs on the CPU where the host reads faster than PCIe carries, a
   long prompt streams. A layer whose KV cache a prompt wrote on the device moves it to the host
   when it first decodes there (counted: ``kv_bytes``).
@@ -30,10 +30,11 @@ import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
 
-from ..runtime.costs import CostModel
+from .costs import CostModel
 from ..runtime.device import Device, HostDevice
 from .blocks import Block
 from .hostmatmul import NativeMatmul, bf16_faster
+from .plan import WeightPlan
 
 PLACEMENTS = ("stream", "cpu", "auto")
 
@@ -57,23 +58,19 @@ def call_shape(args: Any) -> tuple[int, int]:
     return rows, t.shape[-2] if t.dim() >= 2 else 1
 
 
-def host_only_blocks(blocks: list[Block]) -> set[int]:
-    """Blocks that are embeddings only: looked up on the host, never copied to the device."""
-    return {b.index for b in blocks if b.modules and all(isinstance(m, torch.nn.Embedding) for m in b.modules)}
-
-
 class Placer:
     """Decides each call's placement and counts them by phase (see the module documentation)."""
 
-    def __init__(self, mode: str, blocks: list[Block], cost_model: CostModel | None, on_device: bool) -> None:
-        self.mode = mode if on_device else "cpu"
+    def __init__(self, plan: WeightPlan, blocks: list[Block], cost_model: CostModel | None) -> None:
+        self.mode = plan.placement
         self.blocks = blocks
         self.cost_model = cost_model
-        self.on_device = on_device
-        self.host_only = host_only_blocks(blocks)
+        self.on_device = plan.on_device
+        self.host_only = {b.index for b in plan.blocks if b.lookup}
         self.params = {b.index: sum(e.param.numel() for e in b.entries) for b in blocks}
         self.dtype = {b.index: b.entries[0].param.dtype if b.entries else torch.float32 for b in blocks}
         self.last: dict[int, str] = {}
+        self.decided: dict[int, str] = {}  # id(module) -> where its current call runs
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -105,6 +102,30 @@ class Placer:
         phase[where] += 1
         self.last[b] = where
         return where
+
+    def place(self, b: int, module: torch.nn.Module, args: Any, training: bool, held: bool) -> str:
+        """Where this call of ``module`` (block ``b``, on ``args``) runs, decided, counted and
+        settled (:meth:`where` answers it). ``held``: the block's weights are on the device
+        already (held there by a read outside its module): a call the CPU would run runs there,
+        its inputs are not moved to the host."""
+        where = self.decide(b, module, args, training)
+        if where == "cpu" and held:
+            where = self.overrule(b, args, "stream")
+        self.settle(module, where)
+        return where
+
+    def otherwise(self) -> str:
+        """Where an activation the placer does not decide runs (a read by another module, a
+        backward): on the device, unless there is none."""
+        return "stream" if self.on_device else "cpu"
+
+    def settle(self, module: torch.nn.Module, where: str) -> None:
+        """``module``'s current call runs ``where`` (what :meth:`where` answers until its next call)."""
+        self.decided[id(module)] = where
+
+    def where(self, module: torch.nn.Module) -> str:
+        """Where ``module``'s current call runs (its hooks on the CPU ask)."""
+        return self.decided.get(id(module), self.otherwise())
 
     def predict(self, b: int) -> str:
         """Where ``b``'s next call will likely run (its last call's place): a block about to run
@@ -140,13 +161,13 @@ class HostCalls:
     call on the CPU to its end (off in a call nested in it that runs elsewhere)."""
 
     def __init__(
-        self, device: Device, blocks: list[Block], decided: dict[int, str], num_threads: int | None,
+        self, device: Device, blocks: list[Block], placer: Placer, num_threads: int | None,
         native_matmul: bool | None = None,
     ) -> None:  # fmt: skip
         self.device = device
         self.moves = not isinstance(device, HostDevice)
         self.blocks = blocks
-        self.decided = decided  # id(module) -> where its current call runs (the streamer's)
+        self.placer = placer  # where each call runs
         self.num_threads = num_threads
         self.matmul: NativeMatmul | None = None
         if native_matmul is not False:
@@ -220,7 +241,7 @@ class HostCalls:
                     layer.device = moved.device
 
     def _pre(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
-        where = self.decided.get(id(module), "stream" if self.moves else "cpu")
+        where = self.placer.where(module)
         threads = None
         if where == "cpu" and self.num_threads is not None and torch.get_num_threads() != self.num_threads:
             threads = torch.get_num_threads()

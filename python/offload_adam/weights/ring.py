@@ -1,5 +1,5 @@
 """The ring: the device slots streamed blocks are copied into, allocated once (vLLM's
-``StaticBufferPool``).
+``StaticBufferPool``), as the plan sized it (``plan.py``: ``RingPlan``).
 
 ``min(prefetch + 1, general blocks)`` general slots, each the size of the largest layer it
 serves, and one slot of its own for each block that stays needed while other blocks run (run by
@@ -9,11 +9,17 @@ so that an embedding looked up on the host never takes one). A slot remembers th
 and its last copy (``copy_event``): the next copy into it waits for both. Nothing is allocated
 afterwards, unless a forward holds more blocks at once than the ring has slots (it grows, with a
 warning).
+
+The ring owns residency: the table of blocks loaded (each with its slot, its copy's event and the
+instance it was loaded for), the choice of a slot to evict, a block's release (its slot's last
+use recorded, the slot freed or kept for a later activation) and the cancel of what was loaded
+for an order that no longer holds.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,6 +28,7 @@ from torch import Tensor
 
 from ..runtime.device import Device, Meter
 from .blocks import Block
+from .plan import RingPlan
 
 log = logging.getLogger("offload_adam")
 
@@ -44,45 +51,31 @@ class Slot:
         return t
 
 
-def plan(
-    blocks: list[Block], streamed: list[int], own: set[int], prefetch: int, general: bool = True,
-    host_only: set[int] | None = None,
-) -> tuple[int, int, set[int], set[int]]:  # fmt: skip
-    """The ring for ``streamed`` blocks: (bytes of a general slot, general slots, blocks with a
-    slot made at once, blocks with a slot made at their first copy). General slots are sized by
-    the largest layer they serve; a block that is not a layer and is larger (a head, a large
-    embedding) gets a slot of its own, made when it is first copied: an embedding looked up on the
-    host (``host_only``) takes one only if training copies it, and otherwise shares the general
-    slots, which it then never takes for inference. ``general``: False when no call is expected to stream
-    (placement ``"cpu"``): every slot is made on demand."""
-    skip = host_only or set()
-    own = {b for b in own if b in streamed}
-    later = {b for b in own if b in skip}  # looked up on the host: a slot only if training copies it
-    own -= later
-    rest = [b for b in streamed if b not in own and b not in later]
-    layers = [blocks[b].nbytes for b in rest if blocks[b].layer]
-    size = max(layers) if layers else max((blocks[b].nbytes for b in rest), default=0)
-    later |= {b for b in rest if blocks[b].nbytes > size}
-    if not general:
-        return size, 0, set(), later | own
-    return size, min(prefetch + 1, len(rest) - len(later & set(rest))), own, later
+@dataclass
+class Loaded:
+    """A block in a slot (or being copied into it)."""
+
+    g: int  # the instance (cycle * instances per cycle + index); -1: loaded on demand
+    slot: Slot
+    event: Any  # its copy's completion
+    last: int  # absolute position of its last planned activation (-1: release after this one)
+    versions: tuple[int, ...]  # its host copies' versions when copied
 
 
 class Ring:
     """The slots of ``blocks`` streamed on ``device`` (see the module documentation)."""
 
-    def __init__(
-        self, device: Device, meter: Meter, blocks: list[Block], streamed: list[int], own: set[int], prefetch: int,
-        general: bool = True, host_only: set[int] | None = None,
-    ) -> None:  # fmt: skip
+    def __init__(self, device: Device, meter: Meter, blocks: list[Block], rp: RingPlan) -> None:
         self.device = device
         self.meter = meter
         self.blocks = blocks
-        self.slot_bytes, n, made, self.later = plan(blocks, streamed, own, prefetch, general, host_only)
-        self.own = made | self.later
-        self.on_demand = not general  # no slot planned: each is made when first needed, without a warning
-        self.slots = [self._slot(self.slot_bytes) for _ in range(n)]
-        self.slots += [self._slot(blocks[b].nbytes, own=b) for b in sorted(made)]
+        self.slot_bytes = rp.slot_bytes
+        self.later = set(rp.later)
+        self.own = set(rp.made) | self.later
+        self.on_demand = rp.on_demand  # no slot planned: each is made when first needed, without a warning
+        self.slots = [self._slot(self.slot_bytes) for _ in range(rp.general)]
+        self.slots += [self._slot(blocks[b].nbytes, own=b) for b in sorted(rp.made)]
+        self.loaded: dict[int, Loaded] = {}  # block -> where it is loaded
         self._index()
 
     def _slot(self, size: int, own: int | None = None) -> Slot:
@@ -106,6 +99,47 @@ class Ring:
                 return s
         return self.grow(b) if b in self.later else None
 
+    def take(self, b: int, running: Container[int]) -> Slot:
+        """A slot for ``b``: a free one, else one holding a block not ``running`` (the one
+        needed last), else a new one (the ring grows: a forward holds more blocks at once than
+        it has)."""
+        slot = self.free(b)
+        if slot is not None:
+            return slot
+        cands = [(ld.g, c) for c, ld in self.loaded.items() if c not in running and self.serves(ld.slot, b)]
+        if cands:
+            _, c = max(cands)
+            slot = self.loaded.pop(c).slot
+            slot.block = None
+            return slot
+        return self.grow(b)
+
+    def hold(self, b: int, ld: Loaded) -> Loaded:
+        """``b`` is loaded as ``ld`` says (its copy queued into ``ld.slot``)."""
+        self.loaded[b] = ld
+        return ld
+
+    def drop(self, b: int) -> None:
+        """``b``'s slot holds nothing now (a stale copy, a cancel): free for another block."""
+        self.loaded.pop(b).slot.block = None
+
+    def cancel(self, running: Container[int]) -> None:
+        """Drops the loaded blocks not ``running`` (prefetched for an order that no longer holds)."""
+        for c in [c for c in self.loaded if c not in running]:
+            self.drop(c)
+
+    def release(self, b: int, keep: bool) -> None:
+        """``b`` stops running: its slot's last use is an event recorded on the compute stream
+        now (after the work queued so far). Recorded at every release: a block kept loaded for a
+        later activation (``keep``) can still lose its slot without running again (a cancel, an
+        eviction, a stale copy dropped), and the next copy into it must follow this use."""
+        ld = self.loaded.get(b)
+        if ld is None:
+            return
+        ld.slot.free_event = self.device.record_current()
+        if not keep:
+            self.drop(b)
+
     def grow(self, b: int) -> Slot:
         """A new slot for ``b``: its own slot, made at its first copy; a general slot of a ring
         made on demand; or a forward holds more blocks at once than the ring has slots (with a
@@ -125,6 +159,10 @@ class Ring:
         self._index()
         return slot
 
+    def slot_of(self, b: int) -> Slot:
+        """The slot ``b`` is loaded into."""
+        return self.loaded[b].slot
+
     def of_storage(self, ptr: int) -> Slot | None:
         """The slot whose memory starts at ``ptr`` (a tensor's storage), if any."""
         return self.by_ptr.get(ptr)
@@ -135,5 +173,6 @@ class Ring:
 
     def clear(self) -> None:
         """Drops the slots (their memory goes with the last reference)."""
+        self.loaded.clear()
         self.slots.clear()
         self.by_ptr.clear()

@@ -10,11 +10,16 @@ thread), each block a page starting on a 4096-byte boundary (``O_DIRECT``). Page
 the Rust I/O engine into a staging ring of ``prefetch + 2`` pinned slots, ahead of need; a slot
 is reused once the copy to the device that reads it has completed (without a device, once the
 block that ran from it has).
+
+Both are a :class:`Source`, the one interface the offload, the streamer and the loader call;
+:class:`Sources` holds the offload's (RAM, NVMe, or both: the blocks ``host_budget_gb`` keeps in
+RAM and the rest on NVMe) and says which one holds a block.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -23,6 +28,70 @@ from ..runtime.device import Device
 from ..runtime.pages import ALIGN, IoStats, PageStore, StagingRing
 from ..runtime.pinned import PinnedArena, align_up
 from .blocks import TENSOR_ALIGN, Block
+
+
+class Source(Protocol):
+    """Where streamed blocks' bytes live on the host."""
+
+    # -- filling (at offload time) and handing back (close) -------------------------------------
+
+    def staging(self, b: Block) -> Tensor:
+        """Where ``b``'s bytes are written when it is filled, then :meth:`store_block`."""
+        ...
+
+    def store_block(self, b: Block) -> None:
+        """``b``'s staged bytes to their place (a page written, with its CRC; waits)."""
+        ...
+
+    def pin(self) -> None:
+        """Every block filled: its memory pinned (copies from it are asynchronous)."""
+        ...
+
+    def view(self, b: Block) -> Tensor | None:
+        """``b``'s bytes kept in host memory (the copy an optimizer's step writes), or None (NVMe)."""
+        ...
+
+    def read(self, b: Block) -> Tensor:
+        """``b``'s bytes, read now, a tensor of their own or the kept copy (``close``)."""
+        ...
+
+    def close(self) -> None:
+        ...
+
+    # -- streaming ------------------------------------------------------------------------------
+
+    def start(self, b: Block) -> bool:
+        """Starts bringing ``b``'s bytes into host memory (read ahead); False: no room now."""
+        ...
+
+    def host(self, b: Block) -> Tensor:
+        """``b``'s bytes in pinned host memory (waits for a read), a uint8 tensor."""
+        ...
+
+    def done(self, b: Block, event: Any) -> None:
+        """The copy reading :meth:`host` of ``b`` completes at ``event``."""
+        ...
+
+    def reset(self) -> None:
+        """After a fault: forgets what was read ahead."""
+        ...
+
+    # -- reports --------------------------------------------------------------------------------
+
+    @property
+    def nvme_bytes(self) -> int: ...
+
+    @property
+    def ring_bytes(self) -> int:
+        """Bytes of its RAM ring of pages read ahead (0: none)."""
+        ...
+
+    def page_cache_bytes(self) -> int: ...
+
+    def io_stats(self) -> dict[str, float]: ...
+
+    def reset_stats(self) -> None: ...
+
 
 
 class HostWeights:
@@ -74,8 +143,18 @@ class HostWeights:
     def nvme_bytes(self) -> int:
         return 0
 
+    @property
+    def ring_bytes(self) -> int:
+        return 0
+
+    def page_cache_bytes(self) -> int:
+        return 0
+
     def io_stats(self) -> dict[str, float]:
         return {}
+
+    def reset_stats(self) -> None:
+        pass
 
     def close(self) -> None:
         pass
@@ -144,6 +223,9 @@ class NvmeWeights:
     def pin(self) -> None:
         pass  # the staging slots are pinned already
 
+    def view(self, b: Block) -> Tensor | None:
+        return None  # (no copy kept in memory)
+
     def read(self, b: Block) -> Tensor:
         """``b``'s bytes, read now (``close``: back to ordinary tensors)."""
         out = self.host(b).clone()
@@ -168,63 +250,37 @@ class NvmeWeights:
     def nvme_bytes(self) -> int:
         return self.total
 
+    @property
+    def ring_bytes(self) -> int:
+        return self.ring.nbytes
+
+    def page_cache_bytes(self) -> int:
+        return self.store.page_cache_bytes()
+
     def io_stats(self) -> dict[str, float]:
         return self.store.stats.as_dict()
+
+    def reset_stats(self) -> None:
+        self.store.stats.reset()
 
     def close(self) -> None:
         self.ring.reset()
         self.store.close()
 
 
-class SplitWeights:
-    """Streamed blocks partly in RAM (``ram``: those ``host_budget_gb`` keeps there) and partly on
-    NVMe (``nvme``: the rest); each call goes to the block's own."""
+class Sources:
+    """The offload's sources (one or two: RAM and NVMe) and the one holding each block."""
 
-    def __init__(self, ram: HostWeights, nvme: NvmeWeights, in_ram: set[int]) -> None:
+    def __init__(self, ram: HostWeights | None = None, nvme: NvmeWeights | None = None, in_ram: set[int] | frozenset[int] = frozenset()) -> None:
         self.ram = ram
         self.nvme = nvme
-        self.in_ram = in_ram
+        self.all: list[Source] = [s for s in (ram, nvme) if s is not None]
+        self.default: Source = nvme if nvme is not None else ram  # type: ignore[assignment]
+        self.by_block: dict[int, Source] = {i: ram for i in in_ram} if ram is not None else {}
 
-    def _of(self, b: Block) -> HostWeights | NvmeWeights:
-        return self.ram if b.index in self.in_ram else self.nvme
+    def of(self, b: Block) -> Source:
+        """The source holding ``b``."""
+        return self.by_block.get(b.index, self.default)
 
-    def view(self, b: Block) -> Tensor | None:
-        return self.ram.view(b) if b.index in self.in_ram else None
-
-    def staging(self, b: Block) -> Tensor:
-        return self._of(b).staging(b)
-
-    def store_block(self, b: Block) -> None:
-        self._of(b).store_block(b)
-
-    def pin(self) -> None:
-        self.ram.pin()
-
-    def read(self, b: Block) -> Tensor:
-        return self._of(b).read(b)
-
-    def start(self, b: Block) -> bool:
-        return self._of(b).start(b)
-
-    def host(self, b: Block) -> Tensor:
-        return self._of(b).host(b)
-
-    def done(self, b: Block, event: Any) -> None:
-        self._of(b).done(b, event)
-
-    def reset(self) -> None:
-        self.nvme.reset()
-
-    @property
-    def stats(self) -> IoStats:
-        return self.nvme.stats
-
-    @property
-    def nvme_bytes(self) -> int:
-        return self.nvme.nvme_bytes
-
-    def io_stats(self) -> dict[str, float]:
-        return self.nvme.io_stats()
-
-    def close(self) -> None:
-        self.nvme.close()
+    def __iter__(self) -> Iterator[Source]:
+        return iter(self.all)

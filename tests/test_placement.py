@@ -380,3 +380,46 @@ def test_blocks_held_across_the_forward_keep_their_ram_pages(prefetch: int, nvme
         for _ in range(4):
             assert torch.equal(model(x), want)
     h.close()
+
+
+class _KwLayer(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(hidden_states))
+
+
+class _KwModel(torch.nn.Module):
+    """Its layers called with their hidden states as a keyword, as transformers calls an attention
+    (``self_attn(hidden_states=...)``)."""
+
+    def __init__(self, width: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_KwLayer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(hidden_states=x)
+        return x
+
+
+def test_auto_sizes_a_call_by_its_keyword_hidden_states() -> None:
+    """A block called with ``hidden_states=`` only is sized by them (CUDA review, second pass,
+    hazard 9: sized as one row, auto ran whole prompts on the CPU): an 8-row prompt streams, a
+    1-row step runs on the CPU, and the model's answers are the resident model's."""
+    torch.manual_seed(0)
+    model = _KwModel()
+    ref = copy.deepcopy(model)
+    with testing.simulated_device(seed=4, max_delay_s=0.0) as sim, torch.no_grad():
+        h = offload_adam.offload_weights(model, placement="auto", cost_model=RowsModel(), native_matmul=False)
+        for rows in (8, 1):
+            x = torch.randn(1, rows, 32)
+            assert torch.equal(to_host(model(to_device(x))), ref(x))
+        calls = h.report()["calls"]
+        layers = len(model.layers)
+        assert calls["prompt"] == {"stream": layers, "cpu": 0}
+        assert calls["decode"] == {"stream": 0, "cpu": layers}
+        h.close()
+    assert sim.violations == []

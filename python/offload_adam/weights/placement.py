@@ -45,10 +45,15 @@ def _first_tensor(args: Any) -> Tensor | None:
     return None
 
 
-def call_shape(args: Any) -> tuple[int, int]:
+def call_shape(args: Any, kwargs: dict[str, Any] | None = None) -> tuple[int, int]:
     """(rows, rows per sequence) of a block call: its hidden states' rows, and the length of the
-    sequence axis (1: a decode step)."""
+    sequence axis (1: a decode step). The hidden states are the first positional tensor, else the
+    keyword ``hidden_states`` (an attention called as ``self_attn(hidden_states=...)``), else the
+    first keyword tensor."""
     t = _first_tensor(args)
+    if t is None and kwargs:
+        hs = kwargs.get("hidden_states")
+        t = hs if isinstance(hs, Tensor) else _first_tensor(kwargs.values())
     if t is None or t.dim() == 0:
         return 1, 1
     if t.dtype in (torch.int64, torch.int32):  # token ids (an embedding's call)
@@ -79,8 +84,10 @@ class Placer:
     def reset_stats(self) -> None:
         self.counts: dict[str, dict[str, int]] = {"prompt": {"stream": 0, "cpu": 0}, "decode": {"stream": 0, "cpu": 0}}
 
-    def decide(self, b: int, module: torch.nn.Module, args: Any, training: bool) -> str:
-        rows, seq = call_shape(args)
+    def decide(
+        self, b: int, module: torch.nn.Module, args: Any, training: bool, kwargs: dict[str, Any] | None = None
+    ) -> str:
+        rows, seq = call_shape(args, kwargs)
         if not self.on_device:
             where = "cpu"
         elif training:
@@ -96,10 +103,10 @@ class Placer:
         self.last[b] = where
         return where
 
-    def overrule(self, b: int, args: Any, where: str) -> str:
+    def overrule(self, b: int, args: Any, where: str, kwargs: dict[str, Any] | None = None) -> str:
         """The call of ``b`` just decided (on ``args``) runs ``where`` instead (the streamer's
         verdict): counted there."""
-        rows, seq = call_shape(args)
+        rows, seq = call_shape(args, kwargs)
         phase = self.counts["prompt" if seq > 1 else "decode"]
         phase[self.last[b]] -= 1
         phase[where] += 1

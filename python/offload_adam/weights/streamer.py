@@ -184,7 +184,13 @@ class Streamer:
         self.started: dict[int, int] = {}  # recording: id(module) -> where its forward started in `seen`
         self.recording = False
         self.sub = SCHEDULE.subscribe(self)
+        if placer is not None:  # a call is sized by its hidden states, positional or keyword
+            for m in self._trigger_modules():
+                SCHEDULE.see_kwargs(m)
         self._record()
+
+    def _trigger_modules(self) -> list[torch.nn.Module]:
+        return [m for b in self.streamed for m in self.blocks[b].modules]
 
     @property
     def order(self) -> list[int]:
@@ -523,11 +529,12 @@ class Streamer:
             else:
                 where = self._where()
                 if self.placer is not None:
-                    where = self.placer.decide(b, module, SCHEDULE.call_args(), torch.is_grad_enabled())
+                    args, kwargs = SCHEDULE.call_args(), SCHEDULE.call_kwargs()
+                    where = self.placer.decide(b, module, args, torch.is_grad_enabled(), kwargs)
                     if where == "cpu" and b in self.active and b not in self.hosted:
                         # Its weights are on the device already (held there by a read outside its
                         # module): the call runs there, its inputs are not moved to the host.
-                        where = self.placer.overrule(b, SCHEDULE.call_args(), "stream")
+                        where = self.placer.overrule(b, args, "stream", kwargs)
                 self.decided[id(module)] = where
                 self.activate(b, where=where)
             if torch.is_grad_enabled():
@@ -613,6 +620,8 @@ class Streamer:
 
     def close(self) -> None:
         self.sub.cancel()
+        for m in self._trigger_modules():
+            SCHEDULE.see_kwargs(m, see=False)
         self.device.drain()
         self.loaded.clear()
         self.active.clear()

@@ -166,8 +166,15 @@ def disk_read_gbs(nvme_dir: str, nbytes: int = 1 << 30) -> float:
 
 
 def pcie_h2d_rates(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5) -> list[float]:
-    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s. The source is
+    pinned by the device's ``cudaHostRegister`` and unregistered when it is freed: torch's pinned
+    allocator (``pin_memory=True``) would keep its 256 MB for the life of the process (CUDA
+    review, second pass, hazard 9)."""
+    from .device import device_for
+
+    dev = device_for(device)
+    assert dev is not None
+    src = dev.host_buffer(nbytes, torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src, non_blocking=True)  # warm-up
     out = []

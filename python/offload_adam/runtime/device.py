@@ -47,7 +47,7 @@ class Device(Protocol):
     torch_device: torch.device
     d2h: Any  # side stream of copies to the host
     h2d: Any  # side stream of copies to the device (copy-backs, prefetches)
-    h2d_now: Any  # side stream of copies to the device needed now (demand loads), at a higher priority
+    h2d_now: Any  # side stream of copies to the device needed now (demand loads), never behind a prefetch's wait
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
         """A zeroed host buffer of exactly ``n`` elements that copies to and from the device can
@@ -213,9 +213,10 @@ class CudaDevice:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
             # A copy needed now must not queue behind a prefetch that waits for the compute to
-            # free its slot: a stream of its own, scheduled first when both have copies ready.
-            lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # (a static method)
-            self.h2d_now = torch.cuda.Stream(device, priority=min(lo, hi))
+            # free its slot: a stream of its own. No priority: "stream priorities have no effect
+            # on host-to-device and device-to-host memory operations" (CUDA driver API); the
+            # demand load still shares the copy engine and PCIe with a prefetch in flight.
+            self.h2d_now = torch.cuda.Stream(device)
         self._cudart = torch.cuda.cudart()
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:

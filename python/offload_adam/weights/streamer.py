@@ -221,7 +221,7 @@ class Streamer:
 
     def _load(self, b: int, g: int, last: int, slot: Slot | None = None, now: bool = False) -> _Loaded:
         """Queues the copy of block ``b`` into a slot (see ``loader.py``). ``now``: needed at once
-        (not a prefetch): on the device's priority stream, never behind a prefetch."""
+        (not a prefetch): on the device's stream of copies needed now, never behind a prefetch's wait."""
         if slot is None:
             slot = self.ring.free(b) or self._evict_for(b)
         try:

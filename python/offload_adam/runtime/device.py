@@ -455,6 +455,21 @@ def stream_device(device: Any, why: str) -> Device:
     return dev
 
 
+def storage_address(t: Tensor) -> int:
+    """The address of ``t``'s storage, wherever it is asked: inside an operator (a saved-tensor
+    hook, which autograd calls there) torch functions of tensor subclasses are off, and a device
+    whose tensors are Python subclasses (the test suite's simulated GPU) answers only through its
+    own; on the CPU and CUDA the plain ``t.untyped_storage().data_ptr()``."""
+    with torch._C._EnableTorchFunction():
+        return int(t.untyped_storage().data_ptr())
+
+
+def data_address(t: Tensor) -> int:
+    """The address of ``t``'s first element (see :func:`storage_address`)."""
+    with torch._C._EnableTorchFunction():
+        return int(t.data_ptr())
+
+
 def set_data(t: Tensor, data: Tensor) -> None:
     """``t.data = data``, also where torch refuses it because the two are tensors of different
     kinds: a device whose tensors are a Python subclass (the test suite's simulated GPU) against

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.device import Device, Meter, refuse_capture
+from ..runtime.device import Device, Meter, data_address, refuse_capture, storage_address
 from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
 from .blocks import Block, wrapped
@@ -453,11 +453,11 @@ class Streamer:
                 if s is not None and where is not None and where[0] in s.active:
                     return _Param(where[0], where[1], s.loader.versions(where[0]))
                 return _Outer(outer[0](t), outer[1]) if outer is not None else t
-            slot = s.ring.of_storage(t.untyped_storage().data_ptr()) if s is not None else None
+            slot = s.ring.of_storage(storage_address(t)) if s is not None else None
             if s is not None and slot is not None and slot.block is not None and t.device == slot.buf.device:
                 b = slot.block
                 es = t.element_size()
-                off = t.data_ptr() - slot.buf.data_ptr()
+                off = data_address(t) - data_address(slot.buf)
                 return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s.loader.versions(b))
             cast = s._cast_of(t) if s is not None else None
             if cast is not None:

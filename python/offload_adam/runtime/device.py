@@ -42,7 +42,9 @@ from torch import Tensor
 log = logging.getLogger("offload_adam")
 
 class Device(Protocol):
-    """An accelerator, as the clients of the runtime see it."""
+    """An accelerator, as the clients of the runtime see it. A device whose tensors are a Python
+    subclass (the test suite's simulated GPU) names their class as ``tensor_type``: the runtime
+    takes them for plain tensors, not for wrapped (quantized) ones."""
 
     torch_device: torch.device
     d2h: Any  # side stream of copies to the host

@@ -41,26 +41,23 @@ def wrapped(t: Tensor) -> bool:
     operators itself): not a plain tensor, nor a parameter (of a subclass that only adds Python
     attributes)."""
     cls = type(t)
-    if cls is Tensor or cls is torch.nn.Parameter:
+    if cls is Tensor or cls is torch.nn.Parameter or _device_memory(t):
         return False
-    if hasattr(cls, "__tensor_flatten__"):
-        return True
     dispatch = getattr(cls.__torch_dispatch__, "__func__", cls.__torch_dispatch__)
-    if dispatch is torch._C._disabled_torch_dispatch_impl:
-        return False
-    # A subclass that dispatches its operators itself, unless it is the plain memory of a device
-    # the runtime streams through (the test suite's simulated GPU: its tensors wrap host memory
-    # to tell it from the CPU's, and are what a CUDA tensor is on a GPU).
-    return not _device_memory(t)
+    return hasattr(cls, "__tensor_flatten__") or dispatch is not torch._C._disabled_torch_dispatch_impl
 
 
 def _device_memory(t: Tensor) -> bool:
+    """``t`` is the plain memory of a device the runtime streams through whose tensors are a
+    Python subclass (its ``tensor_type``: the test suite's simulated GPU, whose tensors wrap host
+    memory to tell it from the CPU's), what a plain CUDA tensor is on a GPU."""
     if t.device.type in ("cpu", "meta", "cuda"):
         return False
     try:
-        return device_for(t.device) is not None
+        dev = device_for(t.device)
     except ValueError:
         return False
+    return dev is not None and type(t) is getattr(dev, "tensor_type", None)
 
 
 def _dense(t: Tensor) -> bool:

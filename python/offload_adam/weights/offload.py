@@ -16,11 +16,11 @@ import torch
 from torch import Tensor
 
 from ..runtime import checks
-from . import costs
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
-from ..runtime.hosted import Home, claimed, set_home
+from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
 from ..runtime.pinned import PinnedArena, trim_host_memory
-from .blocks import Block, Entry, find_blocks
+from .blocks import Block, Entry, find_blocks, wrapped
+from . import costs
 from .checkpoint import Checkpoint
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
@@ -415,6 +415,10 @@ class WeightOffload:
                 for h in hs:
                     h.ready.wait()  # an asynchronous step still writing it
                     h.release()  # its writer may no longer step it
+            for p in self.kept:
+                # An asynchronous step still to queue its copy-back into the device tensor that
+                # the host copy replaces below (CUDA review, second pass, hazard 8).
+                wait_for_writer(p)
             self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
@@ -745,6 +749,14 @@ def _kept(model: torch.nn.Module, resident: Any, placement: str) -> frozenset[in
             raise TypeError(f"resident must return a bool, got {got} for {n}")
         if answer:
             kept.append((n, p))
+    quantized = [(n, p) for n, p in kept if wrapped(p)]
+    if quantized:
+        n, p = quantized[0]
+        raise ValueError(
+            f"resident: {n} is a {type(p).__name__} (a quantized tensor): parameters kept on the device are moved "
+            "there as plain tensors of its dtype (a dequantized copy, or torchao's copy_ refusing it); leave it out "
+            "of resident= and it streams with its block"
+        )
     on_meta = [n for n, p in kept if p.device.type == "meta"]
     if on_meta:
         raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")

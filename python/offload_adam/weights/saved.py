@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..runtime.device import data_address, storage_address
 from .blocks import Block, wrapped
 from .frozen import FrozenLinearMode
 from .hostmatmul import leave_mode
@@ -229,11 +230,11 @@ class SavedWeights:
                 if s is not None and where is not None and where[0] in s.look.running:
                     return _Param(where[0], where[1], s.look.versions(where[0]))
                 return _Outer(outer[0](t), outer[1]) if outer is not None else t
-            slot = s.look.of_storage(t.untyped_storage().data_ptr()) if s is not None else None
+            slot = s.look.of_storage(storage_address(t)) if s is not None else None
             if s is not None and slot is not None and slot.block is not None and t.device == slot.buf.device:
                 b = slot.block
                 es = t.element_size()
-                off = t.data_ptr() - slot.buf.data_ptr()
+                off = data_address(t) - data_address(slot.buf)
                 return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s.look.versions(b))
             cast = s._cast_of(t) if s is not None else None
             if cast is not None:

@@ -96,7 +96,12 @@ class Streamer:
         look = Lookups(self.active, self.loader.versions, self.ring.slot_of, self.ring.of_storage, self.loader.views)
         self.saved = SavedWeights(blocks, streamed, look, weak(self._acquire), weak(self.deactivate), weak(self._end_cycle))
         self.sub = SCHEDULE.subscribe(self)
+        for m in self._trigger_modules():  # a call is sized by its hidden states, positional or keyword
+            SCHEDULE.see_kwargs(m)
         self._record()
+
+    def _trigger_modules(self) -> list[torch.nn.Module]:
+        return [m for b in set(self.trigger.values()) for m in self.blocks[b].modules]
 
     def _record(self) -> None:
         """The next pass records reads (a module reading another block's parameters)."""
@@ -107,7 +112,7 @@ class Streamer:
 
     def _load(self, b: int, g: int, last: int, slot: Slot | None = None, now: bool = False) -> Loaded:
         """Queues the copy of block ``b`` into a slot (see ``loader.py``). ``now``: needed at once
-        (not a prefetch): on the device's priority stream, never behind a prefetch."""
+        (not a prefetch): on the device's stream of copies needed now, never behind a prefetch's wait."""
         if slot is None:
             slot = self.ring.take(b, self.active)
         try:
@@ -285,7 +290,8 @@ class Streamer:
                 self.saved.backward_activate(b)  # a checkpointed block, recomputed
             else:
                 held = b in self.active and b not in self.hosted
-                self.activate(b, where=self.placer.place(b, module, SCHEDULE.call_args(), torch.is_grad_enabled(), held))
+                call = (SCHEDULE.call_args(), SCHEDULE.call_kwargs())
+                self.activate(b, where=self.placer.place(b, module, call, torch.is_grad_enabled(), held))
             if torch.is_grad_enabled():
                 self.saved.building(module, b)
         elif self.saved.backward or in_backward():
@@ -332,6 +338,8 @@ class Streamer:
 
     def close(self) -> None:
         self.sub.cancel()
+        for m in self._trigger_modules():
+            SCHEDULE.see_kwargs(m, see=False)
         self.device.drain()
         self.active.clear()
         self.saved.open.clear()

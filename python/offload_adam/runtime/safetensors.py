@@ -317,49 +317,59 @@ def _parse(path: str, f: io.BufferedReader) -> tuple[dict[str, str], int, dict[s
     data = size - 8 - n  # the data section's bytes
     entries: dict[str, Entry] = {}
     for name, h in header.items():
-        where = f"{path}: tensor {name!r}"
-        if not isinstance(h, dict):
-            raise ValueError(f"{where}: its entry is {json_kind(h)}, not an object with dtype, shape and data_offsets")
-        for key in ("dtype", "shape", "data_offsets"):
-            if key not in h:
-                raise ValueError(f"{where}: its entry has no {key!r}")
-        code = h["dtype"]
-        if not isinstance(code, str):
-            raise ValueError(f"{where}: dtype {code!r} is {json_kind(code)}, not a string")
-        dtype = _BY_NAME.get(code)
-        if dtype is None:
-            if code in _SUB_BYTE:
-                raise ValueError(f"{where}: dtype {code} (under a byte an element) has no torch dtype")
-            raise ValueError(f"{where}: dtype {code!r} is not one of safetensors' ({', '.join(sorted(_BY_NAME))})")
-        shape = h["shape"]
-        if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
-            raise ValueError(f"{where}: shape {shape!r} is not an array of non-negative integers")
-        if any(d >= _I64 for d in shape):
-            raise ValueError(f"{where}: shape {shape} has a dimension of 2**63 or more, past torch's sizes (int64)")
-        offsets = h["data_offsets"]
-        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
-            raise ValueError(f"{where}: data_offsets {offsets!r} are not two non-negative integers [begin, end]")
-        begin, end = offsets
-        if end < begin:
-            raise ValueError(f"{where}: data_offsets [{begin}, {end}] are reversed (end before begin)")
-        numel = 1
-        for d in shape:
-            numel *= d
-            if numel >= _U64:
-                raise ValueError(f"{where}: shape {shape} has more elements than 64 bits count")
-        item = dtype.itemsize
-        if numel * item * 8 >= _U64:
-            raise ValueError(f"{where}: shape {shape} of {code} has more bits than 64 bits count")
-        if end - begin != numel * item:
-            raise ValueError(
-                f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, its shape {shape} of {code} {numel * item}"
-            )
-        if end > data:
-            raise ValueError(
-                f"{where}: ends after the end of the file (truncated): data_offsets [{begin}, {end}], "
-                f"the data section has {data} bytes"
-            )
-        entries[name] = Entry(name, dtype, tuple(shape), begin, end)
+        entries[name] = _entry(f"{path}: tensor {name!r}", name, h, data)
+    _check_tiling(path, entries, data)
+    return metadata, 8 + n, entries
+
+def _entry(where: str, name: str, h: Any, data: int) -> Entry:
+    """The header's entry ``h`` of tensor ``name`` (``where`` names it in errors), checked by
+    safetensors' rules (see :func:`_parse`) in a data section of ``data`` bytes."""
+    if not isinstance(h, dict):
+        raise ValueError(f"{where}: its entry is {json_kind(h)}, not an object with dtype, shape and data_offsets")
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in h:
+            raise ValueError(f"{where}: its entry has no {key!r}")
+    code = h["dtype"]
+    if not isinstance(code, str):
+        raise ValueError(f"{where}: dtype {code!r} is {json_kind(code)}, not a string")
+    dtype = _BY_NAME.get(code)
+    if dtype is None:
+        if code in _SUB_BYTE:
+            raise ValueError(f"{where}: dtype {code} (under a byte an element) has no torch dtype")
+        raise ValueError(f"{where}: dtype {code!r} is not one of safetensors' ({', '.join(sorted(_BY_NAME))})")
+    shape = h["shape"]
+    if not isinstance(shape, list) or not all(_is_u64(d) for d in shape):
+        raise ValueError(f"{where}: shape {shape!r} is not an array of non-negative integers")
+    if any(d >= _I64 for d in shape):
+        raise ValueError(f"{where}: shape {shape} has a dimension of 2**63 or more, past torch's sizes (int64)")
+    offsets = h["data_offsets"]
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        raise ValueError(f"{where}: data_offsets {offsets!r} are not two non-negative integers [begin, end]")
+    begin, end = offsets
+    if end < begin:
+        raise ValueError(f"{where}: data_offsets [{begin}, {end}] are reversed (end before begin)")
+    numel = 1
+    for d in shape:
+        numel *= d
+        if numel >= _U64:
+            raise ValueError(f"{where}: shape {shape} has more elements than 64 bits count")
+    item = dtype.itemsize
+    if numel * item * 8 >= _U64:
+        raise ValueError(f"{where}: shape {shape} of {code} has more bits than 64 bits count")
+    if end - begin != numel * item:
+        raise ValueError(
+            f"{where}: data_offsets [{begin}, {end}] hold {end - begin} bytes, its shape {shape} of {code} {numel * item}"
+        )
+    if end > data:
+        raise ValueError(
+            f"{where}: ends after the end of the file (truncated): data_offsets [{begin}, {end}], "
+            f"the data section has {data} bytes"
+        )
+    return Entry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_tiling(path: str, entries: dict[str, Entry], data: int) -> None:
+    """The tensors' ranges, in order, tile the data section of ``data`` bytes (see :func:`_parse`)."""
     at, last = 0, None
     for e in sorted(entries.values(), key=lambda e: (e.begin, e.end, e.name)):
         if e.begin < at:
@@ -378,4 +388,4 @@ def _parse(path: str, f: io.BufferedReader) -> tuple[dict[str, str], int, dict[s
             f"{path}: {data - at} bytes after the last tensor's data (the data section has {data} bytes, the tensors "
             f"{at}): as safetensors requires, the tensors cover the data section to the end of the file"
         )
-    return metadata, 8 + n, entries
+

@@ -230,13 +230,12 @@ def _repeated(m: torch.nn.Module) -> bool:
     )
 
 
-def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None, keep: frozenset[int] = frozenset()) -> list[Block]:
-    """The blocks of ``model`` (see the module documentation), in the order of its modules;
-    raises ValueError naming the culprit for a user list that misses parameters or names a
-    module twice, or blocks whose parameters overlap. ``keep``: parameters (by ``id``) in no
-    block (kept on the device: ``offload_weights(resident=...)``); a block left without
-    parameters is none."""
-    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+def _groups(
+    model: torch.nn.Module, blocks: list[torch.nn.Module] | None, keep: frozenset[int], names: dict[int, str]
+) -> list[tuple[torch.nn.Module, list[torch.nn.Parameter], bool]]:
+    """The candidate blocks, (module, its parameters not kept, whether a layer), before tied
+    parameters merge them: the default's (each layer of a ModuleList of repeated layers, each
+    other module with parameters of its own) or the user's ``blocks``, checked."""
     groups: list[tuple[torch.nn.Module, list[torch.nn.Parameter], bool]] = []  # (module, params, layer)
     if blocks is None:
 
@@ -263,6 +262,17 @@ def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = N
                 raise ValueError(f"blocks[{i}]: a {type(m).__name__} that is not a submodule of the model")
             seen.add(id(m))
             groups.append((m, [p for p in m.parameters() if id(p) not in keep], False))
+    return groups
+
+
+def find_blocks(model: torch.nn.Module, blocks: list[torch.nn.Module] | None = None, keep: frozenset[int] = frozenset()) -> list[Block]:
+    """The blocks of ``model`` (see the module documentation), in the order of its modules;
+    raises ValueError naming the culprit for a user list that misses parameters or names a
+    module twice, or blocks whose parameters overlap. ``keep``: parameters (by ``id``) in no
+    block (kept on the device: ``offload_weights(resident=...)``); a block left without
+    parameters is none."""
+    names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    groups = _groups(model, blocks, keep, names)
     groups = [g for g in groups if g[1]]  # (a module whose parameters are all kept)
     # Parameters under several entries: tied parameters merge their blocks; a user's blocks
     # must not overlap.

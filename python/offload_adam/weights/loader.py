@@ -109,6 +109,10 @@ class Loader:
         slot.block = b
         return e1
 
+    def count(self, what: str) -> None:
+        """One more of ``what`` in ``stats`` (``on_demand`` loads, ``passes``)."""
+        self.stats[what] += 1
+
     def wait(self, event: Any) -> None:
         """The compute stream waits for ``event`` (a stream wait), timed."""
         dev = self.device

@@ -183,6 +183,18 @@ class SavedWeights:
             else:
                 self.pushed[id(module)] = n - 1
 
+    # -- the cycle ------------------------------------------------------------------------------
+
+    def building_graph(self) -> None:
+        """A forward activation under grad mode: a backward may follow."""
+        self.graph = True
+
+    def cycle_ended(self) -> bool:
+        """The cycle is over; returns whether it had a backward (a step may follow)."""
+        trained = self.trained
+        self.graph = self.trained = False
+        return trained
+
     # -- the backward ---------------------------------------------------------------------------
 
     def backward_activate(self, b: int) -> None:

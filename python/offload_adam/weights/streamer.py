@@ -213,7 +213,7 @@ class Streamer:
                     ld = self._load(b, g, last, now=True)
                 ld = loaded[b]
         elif ld is None:
-            self.loader.stats["on_demand"] += 1
+            self.loader.count("on_demand")
             ld = self._load(b, -1, -1, now=True)
         if b not in self.active:
             self.loader.wait(ld.event)
@@ -243,7 +243,7 @@ class Streamer:
         if self.saved.backward and not in_backward():
             self.saved.end_backward()  # a forward after a backward whose end was not seen
         if torch.is_grad_enabled():
-            self.saved.graph = True
+            self.saved.building_graph()
         self._acquire(b, at, where)
 
     def deactivate(self, b: int) -> None:
@@ -269,12 +269,12 @@ class Streamer:
             self.ring.cancel(self.active)
         if recorded:
             self._record()
-        self.in_cycle = self.saved.graph = False
-        self.loader.stats["passes"] += 1
+        self.in_cycle = False
+        trained = self.saved.cycle_ended()
+        self.loader.count("passes")
         self.loader.fold()
         first = self.cycle.ncycle * len(self.cycle.inst)
-        self._prefetch(first - 1, after_backward=self.saved.trained)  # the next cycle's first blocks, meanwhile
-        self.saved.trained = False
+        self._prefetch(first - 1, after_backward=trained)  # the next cycle's first blocks, meanwhile
 
     # -- the schedule's subscriber interface ----------------------------------------------------
 

@@ -200,7 +200,8 @@ def test_auto_says_which_figures_it_took_and_where_from(
     the file and measures nothing; a measurement under load is used and not stored, and said so."""
     import logging
 
-    from offload_adam.runtime import calibration, costs
+    from offload_adam.runtime import calibration
+    from offload_adam.weights import costs
 
     def fake(load: float) -> calibration.Measurement:
         return calibration.Measurement(

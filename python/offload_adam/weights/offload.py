@@ -659,20 +659,20 @@ def plan_weights(
 
     Args:
         model: as for :func:`offload_weights`.
-        device: as for :func:`offload_weights`.
-        storage: as for :func:`offload_weights`.
-        nvme_dir: as for :func:`offload_weights` (checked, not written).
-        checkpoint: as for :func:`offload_weights` (its headers read; with ``quantize``, its blocks).
-        gpu_budget_gb: as for :func:`offload_weights`.
-        prefetch: as for :func:`offload_weights`.
-        blocks: as for :func:`offload_weights`.
-        placement: as for :func:`offload_weights`.
-        host_budget_gb: as for :func:`offload_weights`.
-        num_threads: as for :func:`offload_weights`.
-        cost_model: as for :func:`offload_weights`.
-        quantize: as for :func:`offload_weights`.
-        native_matmul: as for :func:`offload_weights`.
-        resident: as for :func:`offload_weights`.
+        device: as for :func:`offload_weights` (default: None).
+        storage: as for :func:`offload_weights` (default: ``"cpu"``).
+        nvme_dir: as for :func:`offload_weights` (checked, not written) (default: None).
+        checkpoint: as for :func:`offload_weights` (its headers read; with ``quantize``, its blocks) (default: None).
+        gpu_budget_gb: as for :func:`offload_weights` (default: None).
+        prefetch: as for :func:`offload_weights` (default: 2).
+        blocks: as for :func:`offload_weights` (default: None).
+        placement: as for :func:`offload_weights` (default: ``"stream"``).
+        host_budget_gb: as for :func:`offload_weights` (default: None).
+        num_threads: as for :func:`offload_weights` (default: None).
+        cost_model: as for :func:`offload_weights` (default: None).
+        quantize: as for :func:`offload_weights` (default: None).
+        native_matmul: as for :func:`offload_weights` (default: None).
+        resident: as for :func:`offload_weights` (default: None).
 
     Returns:
         The ``WeightPlan``; it keeps these arguments (``plan.args``) for ``offload_weights(model, plan=plan)``.

@@ -1,6 +1,11 @@
 """``offload_weights``: a model's weights kept on the host (pinned RAM or NVMe) and streamed to
 the device block by block, ahead of need (see ``streamer.py``), with whole blocks resident on
-the device as far as ``gpu_budget_gb`` allows."""
+the device as far as ``gpu_budget_gb`` allows; ``plan_weights``: what it would build.
+
+The offload is built from its plan (``plan.py``: a ``WeightPlan``, made here from the model's
+blocks and the arguments, or a user's edited one): the build decides nothing. ``WeightOffload``
+reads plan, sources, fill, homes, placer, streamer and the CPU calls' hooks, in that order, under
+an ``Undo`` that puts the model back if any step fails."""
 
 from __future__ import annotations
 

@@ -79,7 +79,8 @@ class Streamer:
         streamed = plan.streamed
         self.ring = Ring(device, meter, blocks, plan.ring)
         self.loader = Loader(device, blocks, sources, placeholders, homes)
-        self.cycle = Cycle([b for b in guess if b in set(streamed)], {b for b in streamed if plan.blocks[b].own_slot})
+        on = set(streamed)
+        self.cycle = Cycle([b for b in guess if b in on], {b for b in streamed if plan.blocks[b].own_slot})
         self.trigger: dict[int, int] = {id(m): b for b in streamed for m in blocks[b].modules}
         # Every module inside a streamed block: a recompute that runs a block's forward without
         # its module's hooks (transformers checkpoints `forward`, not `__call__`) is seen there.

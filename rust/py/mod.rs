@@ -35,7 +35,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<io::MemoryWindow>()?;
     m.add("CHUNK", crate::kernel::CHUNK)?;
     m.add("LANES", crate::isa::LANES)?;
-    m.add("QBLOCK", crate::kernel::q8::QBLOCK)?;
+    m.add("QBLOCK", crate::kernel::QBLOCK)?;
     m.add("Q8_MIN_NUMEL", crate::kernel::q8::MIN_NUMEL)?;
     Ok(())
 }

@@ -19,7 +19,7 @@ use super::dlpack::{
     carve_sets, data_ptr, torch, Carved, CheckedGrad, DType, GradCache, GradSpec, Import, Ranges, Writable,
 };
 use crate::elem::Bf16;
-use crate::kernel::{self, q8, Consts, GradRef, HostMut, Hyper, OutMut, Segment, StateMut};
+use crate::kernel::{self, Consts, GradRef, HostMut, Hyper, OutMut, Segment, StateMut};
 use crate::layout::{carve, check_disjoint, Layout, Slot, KINDS};
 
 // Where each buffer sits in a set's `Writable`.
@@ -164,7 +164,7 @@ impl MomentCodec {
 /// Bytes of a slot of `n` elements in a uint8 moment buffer.
 fn moment_bytes(n: usize, codec: MomentCodec) -> usize {
     if codec.quantized() {
-        n + 4 * (n / q8::QBLOCK)
+        n + 4 * (n / kernel::QBLOCK)
     } else {
         4 * n
     }
@@ -179,10 +179,10 @@ fn check_moments(m: &[(usize, MomentCodec)], lens: &[usize], names: &[String], t
     let mut ranges = Vec::with_capacity(m.len());
     for (i, (&(off, q), &n)) in m.iter().zip(lens).enumerate() {
         let name = &names[i];
-        if q.quantized() && !n.is_multiple_of(q8::QBLOCK) {
+        if q.quantized() && !n.is_multiple_of(kernel::QBLOCK) {
             return Err(value_error(format!(
                 "{name}: a quantized moment needs whole blocks of {} elements, it has {n}",
-                q8::QBLOCK
+                kernel::QBLOCK
             )));
         }
         if off % 4 != 0 {

@@ -20,6 +20,7 @@ from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, de
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
+from . import arguments
 from .blocks import Block, Entry, find_blocks
 from .checkpoint import Checkpoint
 from .loader import placeholders
@@ -642,6 +643,11 @@ def offload_weights(
         raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
+    dev = _run_device(device)
+    arguments.check(  # what this configuration would ignore: refused or warned, naming it (weights/arguments.py)
+        on_host=isinstance(dev, HostDevice), storage=storage, gpu_budget_gb=gpu_budget_gb, placement=placement,
+        cost_model=cost_model, native_matmul=native_matmul, prefetch=prefetch,
+    )  # fmt: skip
     _check_model(model, checkpoint)
     if checkpoint is not None:
         # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
@@ -666,7 +672,6 @@ def offload_weights(
             raise ValueError(f"resident: parameters kept on the device need placement='stream' (a block run on the CPU reads them), got {placement!r}")
         keep = frozenset(id(p) for _, p in kept)
     quantize_fn = quantizer(quantize) if quantize is not None else None
-    dev = _run_device(device)
     return WeightOffload(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
         prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,

@@ -20,7 +20,7 @@ from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, de
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
-from . import arguments
+from . import arguments, summary
 from .blocks import Block, Entry, find_blocks
 from .checkpoint import Checkpoint
 from .loader import placeholders
@@ -394,7 +394,7 @@ class WeightOffload:
             "h2d_bytes": st.stats["h2d_bytes"],
             "h2d_s": h2d_s,
             "stall_s": stall_s,
-            "passes": st.stats["passes"],
+            "passes": max(st.stats["passes"], self.placer.forwards()),  # (the streamer counts training's cycles only)
             "loads": st.stats["loads"],
             "on_demand_loads": st.stats["on_demand"],
             "calls": {ph: dict(c) for ph, c in self.placer.counts.items()},
@@ -408,6 +408,19 @@ class WeightOffload:
         }
         out.update(self.source.io_stats())
         return out
+
+    def __repr__(self) -> str:
+        return summary.describe(self.report(), self.closed)  # (weights/summary.py)
+
+    def summary(self, *, ttft_s: float | None = None, tokens_per_s: float | None = None, read_gbs: float | None = None) -> str:
+        """The account of :meth:`report` in words, a line per subject: storage, device, placement
+        and blocks; VRAM (with a device), RAM, NVMe and page cache; bytes per forward and waits
+        (since :meth:`reset_stats`, once a forward ran); ``ttft_s`` and ``tokens_per_s`` (the
+        caller's timings) where given; block calls per phase (once there were any); the bound
+        (forwards/s the bytes per forward allow: the measured host-to-device bandwidth, or
+        ``read_gbs``, the SSD's read rate in GB/s, else this machine's calibration's, with the CPU
+        as the device). Figures that do not apply are left out (``weights/summary.py``)."""
+        return summary.summary(self.report(), ttft_s=ttft_s, tokens_per_s=tokens_per_s, read_gbs=read_gbs)
 
     def reset_stats(self) -> None:
         """Starts the counters of ``report()`` (bytes moved, times, loads, calls) afresh."""

@@ -182,3 +182,18 @@ def test_calibrate_says_what_it_measured_and_stores_only_a_quiet_measurement(
     assert calibration.measurements() == [quiet]
     assert main(["env"]) == 0
     assert f"calibration: {calibration.path()}: cpu_matmul_gflops, host_read_gbs {quiet.describe()}" in capsys.readouterr().out
+
+
+def test_calibrate_says_what_it_measures_as_it_goes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """calibrate printed nothing until its figures (a minute for the full run): each measurement
+    is now said on stderr before it runs, and its result after; stdout keeps the figures."""
+    from offload_adam.runtime import costs
+
+    monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "host_read_rates", lambda nbytes, rounds: [10.0, 11.0])
+    monkeypatch.setattr(costs, "cpu_matmul_rates", lambda dt, rows, d, rounds: [5.0, 5.0])
+    assert main(["calibrate", "--quick", "--dry-run"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["measuring the host memory's read bandwidth (128 MiB, 5 rounds) ...", "  11.00 GB/s (best of 2, spread 5%)"]
+    assert "measuring the CPU's bfloat16 matmul of 1 row by 2048x2048 (5 rounds) ..." in err
+    assert "measuring the CPU's float32 matmul of 64 rows by 2048x2048 (5 rounds) ..." in err

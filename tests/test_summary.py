@@ -4,7 +4,9 @@ counts are ints."""
 
 from __future__ import annotations
 
+import io
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -61,7 +63,7 @@ def test_weights_on_the_cpu_from_nvme_say_what_they_hold_and_did(nvme_dir: str) 
         assert "VRAM" not in s and "over 3 forwards" in s and "read from the SSD" in s
         assert "time to first token 500.0 ms, 4.00 tokens/s" in s
         assert "block calls: prompt 12 on the CPU" in s and "streamed" not in s.split("block calls:")[1]
-        assert "bound: O_DIRECT read rate (given) 2.00 GB/s" in s
+        assert "bound: O_DIRECT read rate (measured by the caller) 2.00 GB/s" in s
         h.reset_stats()
         assert "over" not in h.summary() and "block calls" not in h.summary()
     finally:
@@ -102,3 +104,24 @@ def test_the_optimizer_says_its_state_tiers_and_dtypes(nvme_dir: str) -> None:
         assert f"NVMe: {offload_adam.runtime.units.size(ssd.memory_report()['nvme_bytes'])} of state under {nvme_dir}" in ssd.summary()
     finally:
         ssd.close()
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_a_long_fill_shows_a_bar_over_its_blocks_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    """Offloading a checkpoint of GBs took minutes without a word: a tqdm bar over the blocks
+    appears on a terminal once the fill has run progress.DELAY_S (0 here); with stderr not a
+    terminal (a test, a log file) nothing is printed."""
+    from offload_adam.weights import progress
+
+    model = _Layers()
+    offload_adam.offload_weights(model, device="cpu").close()
+    assert capsys.readouterr().err == ""
+    term = _Terminal()
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(sys, "stderr", term)
+    offload_adam.offload_weights(model, device="cpu").close()
+    assert "offload_weights: filling blocks" in term.getvalue() and "/4 [" in term.getvalue()  # (its total: the 4 blocks)

@@ -20,7 +20,7 @@ from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, de
 from ..runtime.hosted import Home, claimed, set_home
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
-from . import arguments, summary
+from . import arguments, progress, summary
 from .blocks import Block, Entry, find_blocks
 from .checkpoint import Checkpoint
 from .loader import placeholders
@@ -299,7 +299,7 @@ class WeightOffload:
         block; the others' tensors are kept until the offload is complete (the host holds them
         anyway: they go to NVMe or the GPU)."""
         dev = self.device
-        for b in self.blocks:
+        for b in progress.blocks(self.blocks, len(self.blocks), "offload_weights: filling blocks"):  # (a bar on a terminal, past 3 s)
             resident = b.index in self.resident
             dst = torch.empty(b.nbytes, dtype=torch.uint8) if resident else self.source.staging(b)
             if ck is not None:

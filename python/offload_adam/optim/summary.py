@@ -83,7 +83,7 @@ def summary(opt: Any) -> str:
         )
     opts = [k for k in ("async_step", "free_gradients") if cfg.get(k)]
     lines.append(
-        f"step: the native kernel ({opt._engine.num_threads} threads)"
+        f"step: the native kernel ({opt._engine.num_threads} thread{'s' if opt._engine.num_threads != 1 else ''})"
         + (", " + ", ".join(opts) if opts else "")
         + ("" if cfg["bias_correction"] else ", no bias correction")
     )

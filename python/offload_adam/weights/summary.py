@@ -66,7 +66,7 @@ def bound(rep: dict[str, Any], read_gbs: float | None) -> str | None:
             return None
         bw, what = rep["h2d_bytes"] / rep["h2d_s"], "host-to-device bandwidth of this run's copies"
     else:
-        source = "given"
+        source = "measured by the caller"
         if read_gbs is None:
             from ..runtime import calibration
 
@@ -97,7 +97,7 @@ def summary(rep: dict[str, Any], *, ttft_s: float | None = None, tokens_per_s: f
     if on_device and rep["host_pinned_bytes"]:
         ram.append(f"pinned copy {size(rep['host_pinned_bytes'])}")
     if rep["host_resident_bytes"]:
-        ram.append(f"weights kept in RAM {size(rep['host_resident_bytes'])}")
+        ram.append(f"blocks and buffers kept in RAM {size(rep['host_resident_bytes'])}")
     if rep["host_ring_bytes"]:
         ram.append(f"RAM ring {size(rep['host_ring_bytes'])}")
     lines.append("RAM: " + ", ".join(ram))

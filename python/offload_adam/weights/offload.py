@@ -415,11 +415,17 @@ class WeightOffload:
     def summary(self, *, ttft_s: float | None = None, tokens_per_s: float | None = None, read_gbs: float | None = None) -> str:
         """The account of :meth:`report` in words, a line per subject: storage, device, placement
         and blocks; VRAM (with a device), RAM, NVMe and page cache; bytes per forward and waits
-        (since :meth:`reset_stats`, once a forward ran); ``ttft_s`` and ``tokens_per_s`` (the
-        caller's timings) where given; block calls per phase (once there were any); the bound
-        (forwards/s the bytes per forward allow: the measured host-to-device bandwidth, or
-        ``read_gbs``, the SSD's read rate in GB/s, else this machine's calibration's, with the CPU
-        as the device). Figures that do not apply are left out (``weights/summary.py``)."""
+        (since :meth:`reset_stats`, once a forward ran); the caller's timings where given; block
+        calls per phase (once there were any); the bound (forwards/s the bytes per forward allow).
+        Figures that do not apply are left out (``weights/summary.py``).
+
+        Args:
+            ttft_s: the caller's time to first token, in seconds (default: None, not shown).
+            tokens_per_s: the caller's decode rate (default: None, not shown).
+            read_gbs: with the CPU as the device, the SSD's read rate in GB/s the bound divides
+                (default: None, this machine's calibration's; without one the bound says so). On a
+                device the bound is the measured host-to-device bandwidth of this run's copies.
+        """
         return summary.summary(self.report(), ttft_s=ttft_s, tokens_per_s=tokens_per_s, read_gbs=read_gbs)
 
     def reset_stats(self) -> None:

@@ -172,19 +172,13 @@ def run(args: argparse.Namespace, where: str, inputs_to: torch.device | None) ->
         up.append(h.report()["h2d_bytes"])
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {sched.get_last_lr()[0]:.2e}")
-    mem = opt.memory_report()
-    rep = h.report()
     k = max(1, len(losses) // 5)
     print(
         f"loss: first {statistics.mean(losses[:k]):.4f}, last {statistics.mean(losses[-k:]):.4f} (means of {k} steps); "
         f"step {statistics.median(times[1:] or times) * 1e3:.1f} ms (median)"
     )
-    print(
-        f"weights streamed: {rep['streamed_blocks']} of {rep['blocks']} blocks ({rep['streamed_bytes'] / MiB:.1f} MiB), "
-        f"{statistics.median(up) / MiB:.1f} MiB up per step, ring {rep['ring_bytes'] / MiB:.1f} MiB; "
-        f"optimizer: state {args.state_dtype}, masters {args.master_dtype}, storage={args.storage!r}, host {mem['host_bytes'] / MiB:.1f} MiB"
-        + (f", NVMe {mem['nvme_bytes'] / MiB:.1f} MiB" if "nvme_bytes" in mem else "")
-    )
+    print(f"weights streamed: {statistics.median(up) / MiB:.1f} MiB up per step; {h!r}")
+    print(opt.summary())  # the optimizer's own account: parameters, the state's dtypes, bytes per tier
     opt.close()  # the optimizer first (its step writes the streamed weights' host copy)
     h.close()  # then the weights come back to the host, as ordinary tensors
     if args.save:

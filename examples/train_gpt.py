@@ -300,8 +300,8 @@ def run(args: argparse.Namespace) -> None:
     print(
         f"optimizer step, median: offload_adam {t_ours:.2f} ms, torch.optim.AdamW(fused=True) {t_ref:.2f} ms: {faster} is "
         f"{ratio:.2f}x faster here. No benchmark: this model has {n_params / 1e6:.2f}M parameters in {n_tensors} tensors, "
-        f"a step of well under a millisecond of arithmetic, so the time is each call's fixed cost, and a shared machine's "
-        f"noise; the benchmark is python -m offload_adam bench (large and many-tensor models, peers in the same process)"
+        f"too few for a step's time to show more than each call's fixed costs and this machine's load; "
+        f"the benchmark is python -m offload_adam bench (large and many-tensor models, peers in the same process)"
     )
     if cuda:
         saved = peak["torch"] - peak["offload_adam"]

@@ -585,6 +585,8 @@ class Adam(Optimizer):
         return out
 
     def __repr__(self) -> str:
+        if "_engine" not in self.__dict__ or "param_groups" not in self.__dict__:  # (a set-up that failed half-way)
+            return f"<{type(self).__name__}: not set up>"
         return summary.describe(self)  # (optim/summary.py)
 
     def summary(self) -> str:

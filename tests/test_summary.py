@@ -125,3 +125,10 @@ def test_a_long_fill_shows_a_bar_over_its_blocks_on_a_terminal_only(monkeypatch:
     monkeypatch.setattr(sys, "stderr", term)
     offload_adam.offload_weights(model, device="cpu").close()
     assert "offload_weights: filling blocks" in term.getvalue() and "/4 [" in term.getvalue()  # (its total: the 4 blocks)
+
+
+def test_the_repr_of_an_optimizer_not_set_up_says_so() -> None:
+    """A traceback or a debugger shows ``self`` of a set-up that raised half-way (before the
+    param groups): its repr must not raise in turn."""
+    half = offload_adam.AdamW.__new__(offload_adam.AdamW)
+    assert repr(half) == "<AdamW: not set up>"

@@ -662,12 +662,12 @@ def offload_weights(
         raise TypeError(f"native_matmul must be None, True or False, got {type(native_matmul).__name__}")
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
+    _check_model(model, checkpoint)
     dev = _run_device(device)
     arguments.check(  # what this configuration would ignore: refused or warned, naming it (weights/arguments.py)
         on_host=isinstance(dev, HostDevice), storage=storage, gpu_budget_gb=gpu_budget_gb, placement=placement,
         cost_model=cost_model, native_matmul=native_matmul, prefetch=prefetch,
     )  # fmt: skip
-    _check_model(model, checkpoint)
     if checkpoint is not None:
         # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
         # changes: tie_weights() and quantize= act on the model before the offload reads it.

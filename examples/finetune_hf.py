@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.text and not args.model:
         ap.error("--text needs --model DIR (its tokenizer cuts the text)")
-    if args.offload == "nvme" and not args.nvme_dir:
-        ap.error("--offload nvme needs --nvme-dir, a directory on the SSD")
+    if args.storage == "nvme" and not args.nvme_dir:
+        ap.error("--storage nvme needs --nvme-dir, a directory on the SSD")
     with _device() as (where, inputs_to):
         run(args, where, inputs_to)
     return 0

@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> None:
     n_tensors = len(list(model.parameters()))
     print(
         f"GPT: {args.layers} layers, d_model {args.d_model}, {n_params / 1e6:.2f}M parameters in {n_tensors} tensors; "
-        f"on {dev}; offload_adam SIMD path {offload_adam.simd_path()}, {args.threads} threads"
+        f"on {dev}; offload_adam SIMD path {offload_adam.simd_path()}, {args.threads} thread{'s' if args.threads != 1 else ''}"
     )
     cuda = dev.type == "cuda"
     nvme = {"nvme_dir": args.nvme_dir, "host_budget_gb": args.host_budget_gb, "bucket_mb": 1} if args.storage == "nvme" else {}

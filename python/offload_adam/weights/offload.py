@@ -24,8 +24,8 @@ from ..runtime import checks
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
 from ..runtime.pinned import PinnedArena, trim_host_memory
+from . import arguments, costs, progress, summary
 from .blocks import Block, Entry, find_blocks, wrapped
-from . import costs
 from .checkpoint import Checkpoint
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
@@ -187,14 +187,6 @@ class WeightOffload:
     # -- the plan's figures, as the handle has always named them ---------------------------------
 
     @property
-    def storage(self) -> str:
-        return self.plan.storage
-
-    @property
-    def placement(self) -> str:
-        return self.plan.placement
-
-    @property
     def prefetch(self) -> int:
         """The prefetch used (never more than the streamed blocks)."""
         return self.plan.ahead
@@ -242,7 +234,7 @@ class WeightOffload:
         """Where each call runs; with placement="auto", the cost model, and where its figures
         came from (report(), the log)."""
         self.cost_model: dict[str, str] | None = None
-        if self.placement == "auto":
+        if self.plan.placement == "auto":
             dtype = next((e.param.dtype for b in self.blocks for e in b.entries), torch.bfloat16)
             if cost_model is None:
                 cost_model = costs.cached_model(dtype)
@@ -257,9 +249,10 @@ class WeightOffload:
         its table): its block's modules get the hooks too."""
         on_device = self.plan.on_device
         looked_up = {i for i in self.streamed if any(isinstance(m, torch.nn.Embedding) for m in self.blocks[i].modules)}
-        if not (self.placement != "stream" or self.num_threads is not None or (on_device and looked_up)):
+        placement = self.plan.placement
+        if not (placement != "stream" or self.num_threads is not None or (on_device and looked_up)):
             return None
-        cpu_runs = self.placement != "stream" or not on_device  # blocks other than lookups run on the CPU
+        cpu_runs = placement != "stream" or not on_device  # blocks other than lookups run on the CPU
         hc = HostCalls(self.device, self.blocks, self.placer, self.num_threads, self.native_matmul if cpu_runs else False)
         undo.add(hc.close)
         streamed = set(self.streamed)
@@ -281,7 +274,7 @@ class WeightOffload:
         dev = self.device
         where = ck.locate(self.blocks, set(self.model.state_dict(keep_vars=True))) if ck is not None else {}
         every_resident = self.resident
-        for b in self.blocks:
+        for b in progress.blocks(self.blocks, len(self.blocks), "offload_weights: filling blocks"):  # (a bar on a terminal, past 3 s)
             resident = b.index in every_resident
             src = self.sources.of(b)
             dst = torch.empty(b.nbytes, dtype=torch.uint8) if resident else src.staging(b)
@@ -375,7 +368,7 @@ class WeightOffload:
             "h2d_bytes": ld.stats["h2d_bytes"],
             "h2d_s": h2d_s,
             "stall_s": stall_s,
-            "passes": ld.stats["passes"],
+            "passes": max(ld.stats["passes"], self.placer.forwards()),  # (the streamer counts training's cycles only)
             "loads": ld.stats["loads"],
             "on_demand_loads": ld.stats["on_demand"],
             "calls": {ph: dict(c) for ph, c in self.placer.counts.items()},
@@ -390,6 +383,25 @@ class WeightOffload:
         for s in self.sources:
             out.update(s.io_stats())
         return out
+
+    def __repr__(self) -> str:
+        return summary.describe(self.report(), self.closed)  # (weights/summary.py)
+
+    def summary(self, *, ttft_s: float | None = None, tokens_per_s: float | None = None, read_gbs: float | None = None) -> str:
+        """The account of :meth:`report` in words, a line per subject: storage, device, placement
+        and blocks; VRAM (with a device), RAM, NVMe and page cache; bytes per forward and waits
+        (since :meth:`reset_stats`, once a forward ran); the caller's timings where given; block
+        calls per phase (once there were any); the bound (forwards/s the bytes per forward allow).
+        Figures that do not apply are left out (``weights/summary.py``).
+
+        Args:
+            ttft_s: the caller's time to first token, in seconds (default: None, not shown).
+            tokens_per_s: the caller's decode rate (default: None, not shown).
+            read_gbs: with the CPU as the device, the SSD's read rate in GB/s the bound divides
+                (default: None, this machine's calibration's; without one the bound says so). On a
+                device the bound is the measured host-to-device bandwidth of this run's copies.
+        """
+        return summary.summary(self.report(), ttft_s=ttft_s, tokens_per_s=tokens_per_s, read_gbs=read_gbs)
 
     def reset_stats(self) -> None:
         """Starts the counters of ``report()`` (bytes moved, times, loads, calls) afresh."""
@@ -730,6 +742,11 @@ def _check_args(
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.weights.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
+    dev = _run_device(device)
+    arguments.check(  # what this configuration would ignore: refused or warned, naming it (weights/arguments.py)
+        on_host=isinstance(dev, HostDevice), storage=storage, gpu_budget_gb=gpu_budget_gb, placement=placement,
+        cost_model=cost_model, native_matmul=native_matmul, prefetch=prefetch,
+    )  # fmt: skip
     if checkpoint is not None:
         # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
         # changes: tie_weights() and quantize= act on the model before the offload reads it.
@@ -737,7 +754,7 @@ def _check_args(
     keep = _kept(model, resident, placement) if resident is not None else frozenset()
     quantize_fn = quantizer(quantize) if quantize is not None else None
     return _Args(
-        _run_device(device), storage, nvme_dir, checkpoint, gpu_budget_gb, prefetch, list(blocks) if blocks is not None else None,
+        dev, storage, nvme_dir, checkpoint, gpu_budget_gb, prefetch, list(blocks) if blocks is not None else None,
         placement, host_budget_gb, num_threads, cost_model, quantize_fn, native_matmul, keep, raw,
     )  # fmt: skip
 

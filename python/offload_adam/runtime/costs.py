@@ -9,8 +9,9 @@ records when, on which CPU and under what load; a measurement under load is used
 * on a GPU, the pinned host-to-device bandwidth (``pcie_h2d_gbs``).
 
 A call of a block of ``nbytes`` of weights (``params`` of them) over ``rows`` rows costs, on the
-CPU, about ``max(nbytes / host read bandwidth, 2 * params * rows / CPU rate at that many rows)``;
-streamed, about ``nbytes / PCIe bandwidth`` (the GPU's compute overlaps the copies). ``auto``
+CPU, about ``max(nbytes / host read bandwidth, 2 * params * rows / CPU rate at that many rows)``
+plus its crossing (``crossing_us``: the hidden states' copy to the host, its host wait, and the
+output's copy back and its wait; a stated default, not yet measured on a GPU); streamed, about ``nbytes / PCIe bandwidth`` (the GPU's compute overlaps the copies). ``auto``
 placement takes the cheaper, call by call: a decode step (one row) runs on the CPU where the
 host reads faster than PCIe carries, a long prompt streams. ``python -m offload_adam calibrate``
 measures and prints these figures. Each figure of a :class:`CostModel` says where it came from
@@ -23,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -36,6 +37,9 @@ log = logging.getLogger("offload_adam")
 DEFAULT_PCIE_GBS = 25.0
 DEFAULT_HOST_GBS = 50.0
 DEFAULT_CPU_GFLOPS = {"1": 30.0, "64": 500.0}
+# A CPU-run call's crossing on a GPU machine (CUDA review, second pass, hazard 7): two blocking
+# event waits, each waking tens of microseconds late, and two small copies. Stated, not measured.
+DEFAULT_CROSSING_US = 60.0
 MATMUL = calibration.MATMUL
 
 
@@ -49,6 +53,7 @@ class CostModel:
     host_read_gbs: float = DEFAULT_HOST_GBS
     pcie_h2d_gbs: float = DEFAULT_PCIE_GBS
     cpu_gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype name -> {"1": rate, "64": rate}
+    crossing_us: float = DEFAULT_CROSSING_US  # a CPU-run call's moves to the host and back, on a GPU machine
     sources: dict[str, str] = field(default_factory=dict)
 
     def cpu_rate(self, dtype: torch.dtype, rows: int) -> float:
@@ -62,7 +67,8 @@ class CostModel:
         return r1 + (r64 - r1) * (rows - 1) / 63
 
     def cpu_seconds(self, nbytes: int, params: int, rows: int, dtype: torch.dtype) -> float:
-        return max(nbytes / (self.host_read_gbs * 1e9), 2.0 * params * max(rows, 1) / (self.cpu_rate(dtype, rows) * 1e9))
+        compute = max(nbytes / (self.host_read_gbs * 1e9), 2.0 * params * max(rows, 1) / (self.cpu_rate(dtype, rows) * 1e9))
+        return compute + self.crossing_us * 1e-6
 
     def stream_seconds(self, nbytes: int, params: int, rows: int, dtype: torch.dtype) -> float:
         return nbytes / (self.pcie_h2d_gbs * 1e9)
@@ -83,6 +89,7 @@ class CostModel:
             "pcie_h2d_gbs": f"{self.pcie_h2d_gbs:.3g} GB/s ({self.sources.get('pcie_h2d_gbs', default)})",
             mm: f"{by.get('1', DEFAULT_CPU_GFLOPS['1']):.3g} GFLOP/s at 1 row, {by.get('64', DEFAULT_CPU_GFLOPS['64']):.3g} at 64 "
             f"({self.sources.get(mm, default)})",
+            "crossing_us": f"{self.crossing_us:.3g} us per call run on the CPU ({self.sources.get('crossing_us', default)})",
         }
 
     @classmethod
@@ -93,6 +100,7 @@ class CostModel:
             host_read_gbs=float(figures.get("host_read_gbs", DEFAULT_HOST_GBS)),
             pcie_h2d_gbs=float(figures.get("pcie_h2d_gbs", DEFAULT_PCIE_GBS)),
             cpu_gflops=dict(figures.get(MATMUL, {})),
+            crossing_us=float(figures.get("crossing_us", DEFAULT_CROSSING_US)),
             sources=dict(sources or {}),
         )
 
@@ -166,8 +174,15 @@ def disk_read_gbs(nvme_dir: str, nbytes: int = 1 << 30) -> float:
 
 
 def pcie_h2d_rates(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5) -> list[float]:
-    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s. The source is
+    pinned by the device's ``cudaHostRegister`` and unregistered when it is freed: torch's pinned
+    allocator (``pin_memory=True``) would keep its 256 MB for the life of the process (CUDA
+    review, second pass, hazard 9)."""
+    from .device import device_for
+
+    dev = device_for(device)
+    assert dev is not None
+    src = dev.host_buffer(nbytes, torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src, non_blocking=True)  # warm-up
     out = []
@@ -188,29 +203,51 @@ def pcie_h2d_gbs(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5)
 
 def measure(
     *, nvme_dir: str | None = None, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32), quick: bool = False,
-    by: str = "python -m offload_adam calibrate", rounds: int = 5,
+    by: str = "python -m offload_adam calibrate", rounds: int = 5, say: Callable[[str], None] | None = None,
 ) -> calibration.Measurement:  # fmt: skip
     """This machine's figures (see the module documentation), each the best of ``rounds``
     repeats, with when, on which CPU and under what load they were measured (the 1-minute load
-    average as it began: ``os.getloadavg``); ``quick``: smaller buffers; ``by``: who measured."""
+    average as it began: ``os.getloadavg``); ``quick``: smaller buffers; ``by``: who measured;
+    ``say``: told what is measured before each measurement and its result after (``calibrate``
+    prints it: the full run takes a minute and said nothing meanwhile)."""
     from .. import __version__
 
     load = os.getloadavg()[0]
     spreads: list[float] = []
 
-    def best(rates: list[float]) -> float:
+    def best(what: str, unit: str, measure: Callable[[], list[float]]) -> float:
+        if say is not None:
+            say(f"measuring {what} ...")
+        rates = measure()
         spreads.append(calibration.spread(rates))
+        if say is not None:
+            say(f"  {max(rates):.2f} {unit} (best of {len(rates)}, spread {calibration.spread(rates):.0%})")
         return max(rates)
 
-    out: dict[str, Any] = {"host_read_gbs": best(host_read_rates(128 << 20 if quick else 512 << 20, rounds))}
+    mib = 128 if quick else 512
+    out: dict[str, Any] = {
+        "host_read_gbs": best(f"the host memory's read bandwidth ({mib} MiB, {rounds} rounds)", "GB/s", lambda: host_read_rates(mib << 20, rounds))
+    }
     d = 2048 if quick else 4096
     out[MATMUL] = {
-        str(dt).removeprefix("torch."): {str(r): best(cpu_matmul_rates(dt, r, d, rounds)) for r in (1, 64)} for dt in dtypes
-    }
+        str(dt).removeprefix("torch."): {
+            str(r): best(
+                f"the CPU's {str(dt).removeprefix('torch.')} matmul of {r} row{'s' if r > 1 else ''} by {d}x{d} ({rounds} rounds)",
+                "GFLOP/s", lambda dt=dt, r=r: cpu_matmul_rates(dt, r, d, rounds),  # type: ignore[misc]
+            )
+            for r in (1, 64)
+        }
+        for dt in dtypes
+    }  # fmt: skip
     if nvme_dir is not None:
-        out["disk_read_gbs"] = best(disk_read_rates(nvme_dir, (256 << 20) if quick else (1 << 30)))
+        size = (256 << 20) if quick else (1 << 30)
+        out["disk_read_gbs"] = best(
+            f"the SSD's O_DIRECT read rate (a {size >> 20} MiB file under {nvme_dir}, removed after)", "GB/s",
+            lambda: disk_read_rates(nvme_dir, size),
+        )  # fmt: skip
     if torch.cuda.is_available():
-        out["pcie_h2d_gbs"] = best(pcie_h2d_rates(torch.device("cuda", torch.cuda.current_device()), rounds=rounds))
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        out["pcie_h2d_gbs"] = best("PCIe host to device (pinned copies)", "GB/s", lambda: pcie_h2d_rates(cuda, rounds=rounds))
     return calibration.Measurement(
         figures=out, time=calibration.now(), cpu=calibration.cpu_model(), cores=os.cpu_count() or 1, load_avg=load,
         spread=max(spreads), repeats=rounds, by=by, version=__version__,

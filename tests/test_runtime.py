@@ -35,6 +35,41 @@ def test_one_cuda_device_per_torch_device() -> None:
     assert a is b and a is not None and a.h2d is b.h2d
 
 
+def test_autocast_on_the_simulated_device_casts_as_cudas() -> None:
+    """torch.autocast("simgpu") (issue 32): CUDA's lists, above autograd. A GEMM and attention run
+    in the autocast dtype, a norm, a softmax and a loss in float32, other operations in their
+    inputs' dtype, CPU tensors untouched; the backward (outside autocast) gives float32 gradients
+    on the device. The cast cache as CUDA's: a parameter's cast is kept until the outermost
+    autocast exits (a parameter whose memory is swapped under the same object gets its previous
+    cast), unless the cache is off."""
+    F = torch.nn.functional
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        d = sim.torch_device
+        lin, norm = torch.nn.Linear(8, 8).to(d), torch.nn.LayerNorm(8).to(d)
+        x = torch.randn(2, 8).to(d)
+        with torch.autocast(d.type, dtype=torch.bfloat16):
+            y = lin(x)
+            q = y.view(1, 2, 1, 8)
+            assert y.dtype == F.scaled_dot_product_attention(q, q, q).dtype == (y + 1).dtype == torch.bfloat16
+            assert norm(y).dtype == torch.softmax(y, -1).dtype == torch.float32
+            loss = F.cross_entropy(y, torch.tensor([1, 2]).to(d))
+            assert loss.dtype == torch.float32
+            assert torch.mm(torch.eye(2), torch.eye(2)).dtype == torch.float32  # the CPU's
+        loss.backward()
+        assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32 and lin.weight.grad.device == d
+
+        w, e = torch.nn.Parameter(torch.ones(4, 4).to(d)), torch.eye(4).to(d)
+        for cache, want in ((True, 1.0), (False, 3.0)):
+            with torch.autocast(d.type, dtype=torch.bfloat16, cache_enabled=cache):
+                torch.mm(e, w)
+                with torch.no_grad():
+                    w.data = torch.full((4, 4), want if not cache else 3.0).to(d)
+                assert torch.mm(e, w)[0, 0].item() == want
+        with torch.autocast(d.type, dtype=torch.bfloat16):  # a new region: a new cast
+            assert torch.mm(e, w)[0, 0].item() == 3.0
+    assert sim.violations == []
+
+
 # -- the pinned arena ---------------------------------------------------------------------------
 
 

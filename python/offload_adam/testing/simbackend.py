@@ -22,6 +22,7 @@ device. What it keeps of a GPU:
   and ``.to("simgpu")`` put tensors there; freshly allocated memory is NaN (never initialized).
 * **Identity.** ``data_ptr()`` and ``untyped_storage()`` answer for the memory (the runtime tells
   slots and rebindings apart by address, as on a GPU).
+* **Autocast.** ``torch.autocast("simgpu")`` casts as CUDA's (:mod:`~offload_adam.testing.simautocast`).
 * **The streams.** Each operation on device memory is reported to the :class:`SimulatedDevice` of
   its index (:func:`attach`): it honours the thread's pending stream waits first, and records
   what it reads and writes for the happens-before check.
@@ -35,6 +36,8 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
+
+from . import simautocast
 
 NAME = "simgpu"
 
@@ -188,6 +191,7 @@ class _CpuCall(torch.autograd.Function):
 
 
 def _as_the_cpu(func: Any, args: Any, kwargs: Any) -> Any:
+    args, kwargs = simautocast.cast_for_attention(args, kwargs, NAME)  # what autocast gives the kernel
     flat = list(args) + list(kwargs.values())
     where = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
     index = _index_of(args, kwargs)
@@ -397,4 +401,5 @@ def register() -> None:
     ]
     for op, fn in impls:
         _lib.impl(op, fn, "PrivateUse1")
+    simautocast.register(NAME)
     _registered = True

@@ -70,6 +70,19 @@ def test_autocast_on_the_simulated_device_casts_as_cudas() -> None:
     assert sim.violations == []
 
 
+def test_moving_a_module_to_the_simulated_device_keeps_its_parameters_and_their_ties() -> None:
+    """``module.to("cuda")`` keeps each parameter object (torch sets its data in place), so a tied
+    embedding and head stay one parameter; the simulated device's ``.to()`` keeps them too (it
+    made a new parameter per module, and a tied model trained two copies of the tied weight)."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        emb, head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)
+        head.weight = emb.weight
+        m, w = torch.nn.ModuleDict({"emb": emb, "head": head}), emb.weight
+        m.to(sim.torch_device)
+        assert m.emb.weight is w and m.head.weight is w and w.device == sim.torch_device
+        assert isinstance(w, torch.nn.Parameter) and len(list(m.parameters())) == 1
+
+
 # -- the pinned arena ---------------------------------------------------------------------------
 
 

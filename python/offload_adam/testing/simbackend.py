@@ -108,6 +108,16 @@ class SimTensor(Tensor):
         if isinstance(new, SimTensor):
             self.mem, self.device_index = new.mem, new.device_index
 
+    # A traceable wrapper subclass (its inner tensor named): ``module.to("simgpu")`` then swaps
+    # each parameter's contents, the object staying, as ``.to("cuda")`` keeps it (``p.data =``);
+    # without it, torch made a new parameter per module and broke tied weights.
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, int]]:
+        return ["mem"], {"index": self.device_index}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], ctx: dict[str, int], outer_size: Any, outer_stride: Any) -> SimTensor:
+        return SimTensor(inner["mem"], ctx["index"])
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"SimTensor({self.mem!r}, device='{NAME}:{self.device_index}')"
 

@@ -82,13 +82,15 @@ def deep(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_device(x: Any) -> Any:
-    """What a user does with ``.to("cuda")``: tensors (in lists, tuples, dicts) to the simulated
-    device of the innermost ``simulated_device()``; unchanged outside one."""
+    """What a user does with ``.to("cuda")``: a module, or tensors (in lists, tuples, dicts), to
+    the simulated device of the innermost ``simulated_device()``; unchanged outside one."""
     from offload_adam import testing
 
     dev = testing.active_device()
     if dev is None:
         return x
+    if isinstance(x, torch.nn.Module):
+        return x.to(dev.torch_device)
     return torch.utils._pytree.tree_map(lambda t: t.to(dev.torch_device) if isinstance(t, torch.Tensor) else t, x)
 
 

@@ -22,8 +22,8 @@ from offload_adam.runtime.schedule import SCHEDULE
 
 def test_cpu_tensors_have_no_device_unless_one_is_installed() -> None:
     assert device_for(torch.device("cpu")) is None
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
-        assert device_for(torch.device("cpu")) is sim
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        assert device_for(sim.torch_device) is sim and device_for(torch.device("cpu")) is None
     assert device_for(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="meta: not supported"):
         device_for(torch.device("meta"))
@@ -88,7 +88,7 @@ def test_moving_a_module_to_the_simulated_device_keeps_its_parameters_and_their_
 
 @pytest.mark.parametrize("align", [64, 4096])
 def test_the_arena_allocates_exactly_what_is_asked_and_counts_it(align: int) -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         arena = PinnedArena(sim)
         n = 3 * 1000 + 7  # far from a power of two
         t = arena.alloc(n, torch.bfloat16, align=align)
@@ -108,11 +108,11 @@ def test_the_arena_allocates_exactly_what_is_asked_and_counts_it(align: int) -> 
 def test_an_allocation_is_released_only_after_the_copies_queued_on_it() -> None:
     """The simulator's release models cudaHostUnregister under a DMA: with the release waiting
     for the streams (as the CUDA device's finalizer does) no copy touches released memory."""
-    with testing.simulated_device(host_memory=True, max_delay_s=0.01) as sim:
+    with testing.simulated_device(max_delay_s=0.01) as sim:
         arena = PinnedArena(sim)
         src = arena.alloc(1000, torch.float32)
         src.fill_(3.0)
-        dst = torch.zeros(1000)
+        dst = torch.zeros(1000, device=sim.torch_device)
         sim.stream_waits(sim.h2d, sim.record_current())  # after the compute that zeroed it
         sim.copy([(dst, src)], sim.h2d)
         del src
@@ -129,7 +129,7 @@ def test_the_simulator_sees_a_copy_into_memory_compute_may_still_read(wait: bool
     """Happens-before: the compute runs on the host, so it has always finished when the next copy
     is queued; the simulator still flags a copy that overwrites memory an earlier compute
     operation read, unless the copy's stream waited an event recorded after that operation."""
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         slot = sim.empty(64, torch.float32)
         sim.stream_waits(sim.h2d, sim.record_current())
         sim.copy([(slot, PinnedArena(sim).alloc(64, torch.float32))], sim.h2d)
@@ -173,7 +173,7 @@ def test_a_write_from_another_stream_must_follow_the_allocation(wait: bool, host
 def test_the_simulator_reuses_freed_memory_at_once_unless_held_for_another_stream(keep: bool) -> None:
     """The caching allocator: memory freed goes to the next allocation of its stream at once;
     a copy still writing it must have been declared (keep_until_done, record_stream)."""
-    with testing.simulated_device(host_memory=True, max_delay_s=0.05) as sim:
+    with testing.simulated_device(max_delay_s=0.05) as sim:
         buf = sim.empty(1024, torch.uint8)
         src = PinnedArena(sim).alloc(1024, torch.uint8)  # (kept: its release would drain the streams)
         sim.stream_waits(sim.h2d, sim.record_current())  # (after the allocation)
@@ -190,7 +190,7 @@ def test_the_simulator_reuses_freed_memory_at_once_unless_held_for_another_strea
 
 @pytest.mark.parametrize("source", ["pinned", "pageable", "pageable-blocking"])
 def test_the_simulator_flags_an_asynchronous_copy_from_pageable_memory(source: str) -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         dst = sim.empty(256, torch.float32)
         src = PinnedArena(sim).alloc(256, torch.float32) if source == "pinned" else torch.ones(256)
         sim.stream_waits(sim.h2d, sim.record_current())
@@ -211,7 +211,7 @@ def test_the_simulator_sees_work_for_device_1_touch_device_0(guarded: bool) -> N
 
     from offload_adam.runtime.device import on_stream
 
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0, index=1) as sim:
+    with testing.simulated_device(max_delay_s=0.0, index=1) as sim:
         def work() -> None:  # a fresh thread: its current device is 0
             ctx = on_stream(sim.cuda, 1, sim.h2d) if guarded else sim.cuda.stream(sim.h2d)
             with ctx:
@@ -227,7 +227,7 @@ def test_the_simulator_sees_work_for_device_1_touch_device_0(guarded: bool) -> N
 
 
 def test_the_simulator_counts_host_waits_on_compute_events_and_registrations() -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         before = sim.counters()
         sim.host_wait(sim.record(sim.h2d))  # no compute in it
         sim.stream_waits(sim.d2h, sim.record_current())

@@ -83,6 +83,17 @@ def test_moving_a_module_to_the_simulated_device_keeps_its_parameters_and_their_
         assert isinstance(w, torch.nn.Parameter) and len(list(m.parameters())) == 1
 
 
+def test_autograd_backward_of_several_tensors_on_the_simulated_device_reaches_each() -> None:
+    """``torch.autograd.backward([a, b], [ga, gb])`` gives every tensor its gradient, as on
+    "cuda" (the simulated device took the first tensor of the list only)."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        ps = [torch.nn.Parameter(torch.zeros(3, device=sim.torch_device)) for _ in range(3)]
+        gs = [torch.full((3,), float(k + 1), device=sim.torch_device) for k in range(3)]
+        torch.autograd.backward([p * 1 for p in ps], gs)
+        torch.autograd.backward(ps[0] * 2, gs[0])  # one tensor, accumulated
+        assert [p.grad.cpu().tolist() for p in ps] == [[3.0] * 3, [2.0] * 3, [3.0] * 3]  # type: ignore[union-attr]
+
+
 # -- the pinned arena ---------------------------------------------------------------------------
 
 

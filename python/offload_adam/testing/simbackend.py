@@ -30,7 +30,7 @@ device. What it keeps of a GPU:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -138,9 +138,8 @@ class SimTensor(Tensor):
             # state, and the subclasses its nodes meet (a quantized weight) need their own.
             return _backward(*args, **kwargs)
         if func is torch.autograd.backward:
-            tensors = args[0]
             return _backward(
-                tensors if isinstance(tensors, Tensor) else tensors[0], kwargs.get("grad_tensors", args[1] if len(args) > 1 else None),
+                args[0] if args else kwargs["tensors"], kwargs.get("grad_tensors", args[1] if len(args) > 1 else None),
                 kwargs.get("retain_graph"), kwargs.get("create_graph", False), kwargs.get("inputs"),
             )  # fmt: skip
         with torch._C.DisableTorchFunctionSubclass():
@@ -155,17 +154,16 @@ class SimTensor(Tensor):
 
 
 def _backward(
-    t: Tensor, gradient: Tensor | None = None, retain_graph: bool | None = None, create_graph: bool = False, inputs: Any = None
+    t: Tensor | Sequence[Tensor], gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False, inputs: Any = None
 ) -> None:
     """``torch.autograd.backward`` past its own torch-function check (which would bring it back
-    here), with subclasses' torch functions on."""
+    here), with subclasses' torch functions on: every tensor with its gradient (it took the
+    first of a list only, and the other tensors got none)."""
     from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple  # type: ignore[attr-defined]
     from torch.autograd.graph import _engine_run_backward
 
-    tensors = (t,)
-    if isinstance(gradient, (tuple, list)):
-        gradient = gradient[0]
-    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, 1), is_grads_batched=False)
+    tensors = (t,) if isinstance(t, Tensor) else tuple(t)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
     inputs_tuple = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True)
 

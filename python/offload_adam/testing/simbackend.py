@@ -108,6 +108,12 @@ class SimTensor(Tensor):
         if isinstance(new, SimTensor):
             self.mem, self.device_index = new.mem, new.device_index
 
+    # The memory's storage as a method too: code that runs inside an operation (a saved-tensor
+    # hook, called while this class's torch functions are disabled) asks for it as well. (Not
+    # data_ptr: torch's deepcopy tells a wrapper without memory by a data_ptr() of 0 there.)
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self.mem.untyped_storage()
+
     # A traceable wrapper subclass (its inner tensor named): ``module.to("simgpu")`` then swaps
     # each parameter's contents, the object staying, as ``.to("cuda")`` keeps it (``p.data =``);
     # without it, torch made a new parameter per module and broke tied weights.
@@ -175,25 +181,35 @@ _AS_THE_CPU = {torch.nn.functional.scaled_dot_product_attention, torch._C._nn.sc
 
 
 class _CpuCall(torch.autograd.Function):
-    """``fn`` run on the CPU memory of its tensor arguments (recorded by autograd there), its
-    results back on the device; the backward through the CPU's own graph."""
+    """``fn`` run on the CPU memory of its tensor arguments, its result back on the device. What
+    the backward needs is saved as the device tensors themselves (``save_for_backward``: a
+    saved-tensor hook sees them as on a GPU, where the attention saves its device inputs; a
+    graph kept on the CPU memory showed it host tensors), and the backward recomputes ``fn`` on
+    them (the CPU's kernels are deterministic: the same bits) to take its gradients."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., Any], index: int, *tensors: Tensor) -> Any:  # type: ignore[override]
-        inputs = [mem(t).detach().requires_grad_(t.requires_grad) for t in tensors]
         hooks = _hooks.get(index)
         if hooks is not None:
             hooks.before_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, tuple(tensors[:3]), {})
-        with torch.enable_grad():
-            out = fn(*inputs)
-        ctx.graph = (inputs, out)
+        with torch.no_grad():
+            out = fn(*[mem(t).detach() for t in tensors])
+        ctx.save_for_backward(*tensors)
+        ctx.fn = fn
         ctx.index = index
         return SimTensor(out.detach(), index)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        inputs, out = ctx.graph
+        tensors = ctx.saved_tensors
+        hooks = _hooks.get(ctx.index)
+        if hooks is not None:
+            hooks.before_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, (grad, *tensors[:3]), {})
+        needs = ctx.needs_input_grad[2:]
+        inputs = [mem(t).detach().requires_grad_(bool(n) and t.is_floating_point()) for t, n in zip(tensors, needs)]
         wanted = [t for t in inputs if t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
         got = iter(torch.autograd.grad(out, wanted, mem(grad)) if wanted else ())
         return (None, None, *[SimTensor(next(got), ctx.index) if t.requires_grad else None for t in inputs])
 

@@ -658,3 +658,21 @@ def test_cuda_qlora_under_autocast_is_bitwise_the_resident_quantized_base() -> N
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):
         if p.requires_grad:
             assert torch.equal(p.detach().cpu(), q.detach().cpu()), n
+
+
+def test_cuda_measuring_pcie_leaves_no_pinned_memory_behind() -> None:
+    """Hazard 9: the first placement="auto" measured the PCIe rate from a 256 MB buffer of
+    torch's pinned allocator, which caches it for the life of the process. The measurement
+    registers its own buffer and unregisters it when done."""
+    import gc
+
+    from offload_adam.runtime.costs import pcie_h2d_rates
+
+    def pinned() -> int:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+    before = pinned()
+    rates = pcie_h2d_rates(torch.device("cuda"), 64 << 20, rounds=2)
+    gc.collect()
+    assert len(rates) == 2 and all(r > 0 for r in rates)
+    assert pinned() <= before  # nothing left in torch's pinned cache

@@ -380,3 +380,84 @@ def test_blocks_held_across_the_forward_keep_their_ram_pages(prefetch: int, nvme
         for _ in range(4):
             assert torch.equal(model(x), want)
     h.close()
+
+
+class _KwLayer(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(hidden_states))
+
+
+class _KwModel(torch.nn.Module):
+    """Its layers called with their hidden states as a keyword, as transformers calls an attention
+    (``self_attn(hidden_states=...)``)."""
+
+    def __init__(self, width: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_KwLayer(width) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(hidden_states=x)
+        return x
+
+
+def test_auto_sizes_a_call_by_its_keyword_hidden_states() -> None:
+    """A block called with ``hidden_states=`` only is sized by them (CUDA review, second pass,
+    hazard 9: sized as one row, auto ran whole prompts on the CPU): an 8-row prompt streams, a
+    1-row step runs on the CPU, and the model's answers are the resident model's."""
+    torch.manual_seed(0)
+    model = _KwModel()
+    ref = copy.deepcopy(model)
+    with testing.simulated_device(seed=4, max_delay_s=0.0) as sim, torch.no_grad():
+        h = offload_adam.offload_weights(model, placement="auto", cost_model=RowsModel(), native_matmul=False)
+        for rows in (8, 1):
+            x = torch.randn(1, rows, 32)
+            assert torch.equal(to_host(model(to_device(x))), ref(x))
+        calls = h.report()["calls"]
+        layers = len(model.layers)
+        assert calls["prompt"] == {"stream": layers, "cpu": 0}
+        assert calls["decode"] == {"stream": 0, "cpu": layers}
+        h.close()
+    assert sim.violations == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_cpu_calls_take_what_crossed_before_as_it_was(arch: str) -> None:
+    """CUDA review, second pass, hazard 7: each layer run on the CPU copied its hidden states to
+    the host (an event, a copy, a host wait), though they were the previous CPU layer's output
+    just copied back, and the position embeddings and mask again at every layer. A device tensor
+    that crossed and has not changed since is taken as its host copy: two more layers cost only
+    their outputs' copies back, and the model's answers stay the resident model's."""
+    x = prompt(5)
+
+    def crossed(layers: int) -> int:
+        model = MODELS[arch](torch.float32, 5, layers=layers)
+        ref = copy.deepcopy(model)
+        with testing.simulated_device(seed=5, max_delay_s=0.0) as sim, torch.no_grad():
+            h = offload_adam.offload_weights(model, placement="cpu", native_matmul=False)
+            assert torch.equal(to_host(model(to_device(x)).logits), ref(x).logits)
+            n = h.report()["hidden_bytes"]
+            h.close()
+        assert sim.violations == []
+        return int(n)
+
+    out = x.numel() * 64 * 4  # a layer's output, back to the device
+    assert crossed(4) - crossed(2) == 2 * out
+
+
+def test_auto_prices_a_cpu_calls_crossing() -> None:
+    """CUDA review, second pass, hazard 7: a call run on the CPU pays its crossing (the hidden
+    states to the host and back, two host waits), which the cost model did not count: a block
+    so small that its copy takes less than the crossing streams, a large one at one row still runs
+    on the CPU; the figure is said with its source."""
+    cm = CostModel()
+    small, large = 64 << 10, 256 << 20  # bytes of bf16 weights
+    assert cm.stream_seconds(small, small // 2, 1, torch.bfloat16) < cm.crossing_us * 1e-6
+    assert cm.choose(small, small // 2, 1, torch.bfloat16) == "stream"
+    assert cm.choose(large, large // 2, 1, torch.bfloat16) == "cpu"
+    assert CostModel(crossing_us=0.0).choose(small, small // 2, 1, torch.bfloat16) == "cpu"
+    assert cm.describe()["crossing_us"] == "60 us per call run on the CPU (stated default (offload_adam.runtime.costs))"

@@ -509,5 +509,69 @@ def test_resident_takes_a_function_of_parameters_kept_on_the_device_with_streami
     with testing.simulated_device():
         with pytest.raises(ValueError, match="resident: parameters kept on the device need placement='stream'"):
             offload_adam.offload_weights(model, placement="cpu", resident=lambda n, p: p.requires_grad)
+    # CUDA review, second pass, hazard 8: a quantized parameter kept on the device went through
+    # p.data = its move, into a plain tensor of its logical dtype (dequantized, or a copy_ error).
+    with testing.simulated_device():
+        with pytest.raises(ValueError, match=r"resident: model\.layers\.0\.self_attn\.q_proj\.base\.weight is a .*quantized"):
+            offload_adam.offload_weights(model, resident=lambda n, p: True)
     assert {n: p.device.type for n, p in model.named_parameters()} == before
     assert not hasattr(model, "_offload_adam_weights")
+
+
+class _LinearLoRA(torch.nn.Module):
+    """peft's layout: the adapters are linears themselves (lora_A, lora_B) beside the base."""
+
+    def __init__(self, base: torch.nn.Linear, rank: int = 4) -> None:
+        super().__init__()
+        self.base = base
+        self.lora_A = torch.nn.Linear(base.in_features, rank, bias=False, dtype=base.weight.dtype)
+        self.lora_B = torch.nn.Linear(rank, base.out_features, bias=False, dtype=base.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + self.lora_B(self.lora_A(x))
+
+
+def test_quantize_leaves_the_linears_of_parameters_kept_on_the_device() -> None:
+    """CUDA review, second pass, hazard 8: quantize= ran its config over whole blocks, so the
+    adapters resident= keeps on the device (peft's lora_A/lora_B are nn.Linear) were quantized
+    with the base. The config now skips the modules holding kept parameters; a function of a
+    module that quantizes one anyway is refused, naming it, the model as it was."""
+    torch.manual_seed(7)
+    model = llama(torch.bfloat16, 7, layers=2)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LinearLoRA(layer.self_attn.q_proj)
+    for n, p in model.named_parameters():
+        p.requires_grad_("lora_" in n)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    with testing.simulated_device():
+        h = offload_adam.offload_weights(model, resident=lambda n, p: p.requires_grad, quantize=torchao_q.Int8WeightOnlyConfig())
+        kinds = {n: type(p).__name__ for n, p in model.named_parameters()}
+        h.close()
+    assert all(kinds[n] == "SimTensor" for n in kinds if "lora_" in n), kinds  # plain, on the device
+    assert all(kinds[n] == "Int8Tensor" for n in kinds if n.endswith("q_proj.base.weight")), kinds
+
+    model = llama(torch.bfloat16, 7, layers=2)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = _LinearLoRA(layer.self_attn.q_proj)
+    before = {n: p.clone() for n, p in model.state_dict().items()}
+    every = lambda m: torchao_q.quantize_(m, torchao_q.Int8WeightOnlyConfig())  # noqa: E731 (its adapters too)
+    with testing.simulated_device():
+        with pytest.raises(TypeError, match=r"quantize: it quantized model\.layers\.0\.self_attn\.q_proj\.lora_A\.weight, which resident= keeps"):
+            offload_adam.offload_weights(model, resident=lambda n, p: "lora_" in n, quantize=every)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(type(after[n]) is torch.Tensor and torch.equal(after[n], before[n]) for n in before)
+
+
+def test_quantize_keeps_torchaos_own_kernels_for_the_host_tensors() -> None:
+    """CUDA review, second pass, hazard 9: a float8 config whose kernel_preference is AUTO picks
+    mslk's quantize kernel on a GPU of compute capability 9.0 or more, and quantize= hands it host
+    tensors: the offload quantizes with kernel_preference TORCH (the rule alone: that config
+    quantizes only on such a GPU), the user's config unchanged; a config without the field as it is."""
+    from offload_adam.weights.quantize import host_kernels
+
+    config = torchao_q.Float8DynamicActivationFloat8WeightConfig()
+    assert config.kernel_preference.name == "AUTO"
+    assert host_kernels(config).kernel_preference.name == "TORCH"
+    assert config.kernel_preference.name == "AUTO"
+    int8 = torchao_q.Int8WeightOnlyConfig()
+    assert host_kernels(int8) is int8

@@ -323,3 +323,40 @@ def test_cuda_a_failure_after_every_block_is_stored_puts_back_every_weight(kind:
         p = dict(model.named_parameters(remove_duplicate=False))[n]
         assert p.device.type == "cpu" and p.dtype == dtype
         assert all(torch.equal(a, b) for a, b in zip(_tensors(p) or [], data, strict=True)), n
+
+
+def test_close_right_after_an_async_step_keeps_that_steps_resident_weights() -> None:
+    """CUDA review, second pass, hazard 8: the parameters resident= keeps on the device have no
+    Home, so close() did not wait for an asynchronous step still on its worker: its copy-back went
+    to the device tensor close() had just replaced (freed, possibly reallocated) and the weights
+    handed back missed that step. The worker is held 0.3 s before its buckets; close() waits for
+    it, and the weights handed back are those of the same steps with the model resident."""
+    import time
+
+    def train(model: torch.nn.Module, offload: bool) -> torch.nn.Module:
+        for n, p in model.named_parameters():
+            p.requires_grad_(".q_proj." in n)
+        x = prompt(11)
+        with testing.simulated_device(seed=11, max_delay_s=0.0) as sim:
+            h = offload_adam.offload_weights(model, resident=lambda n, p: p.requires_grad) if offload else None
+            if h is None:
+                model.to(sim.torch_device)
+            held = testing.engine_hooks(before_bucket=lambda i: time.sleep(0.3) if i == 0 else None)
+            with held:
+                opt = offload_adam.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, async_step=True)
+            for _ in range(2):
+                model(to_device(x), labels=to_device(x)).loss.backward()
+                opt.step()
+                opt.zero_grad()
+            if h is not None:
+                h.close()  # right after the step: its worker still holds the first bucket
+                assert all(p.device.type == "cpu" for p in model.parameters())
+            opt.synchronize()
+            model.cpu()
+        assert sim.violations == []
+        return model
+
+    want = train(llama(torch.float32, 11, layers=2), offload=False)
+    got = train(llama(torch.float32, 11, layers=2), offload=True)
+    for (n, p), q in zip(got.named_parameters(), want.parameters()):
+        assert torch.equal(p, q), n

@@ -409,7 +409,7 @@ class ActivationOffload:
 
     def _load(self, item: _Item, now: bool) -> None:
         """Queues the copy of ``item`` back to the device; ``now``: the backward needs it at once
-        (the device's priority stream, never behind a prefetch), else a prefetch."""
+        (the device's stream of copies needed now, never behind a prefetch's wait), else a prefetch."""
         dev = self.device
         stream = dev.h2d_now if now else dev.h2d
         host = self._host_of(item)

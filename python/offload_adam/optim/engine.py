@@ -162,7 +162,7 @@ class Engine:
         me = weakref.ref(self)
         before = [(claimed(p), h.writer if h is not None else None) for p, h in zip(params, homes)]
         for p, h in zip(params, homes):
-            claim(p, "an offload_adam optimizer")
+            claim(p, "an offload_adam optimizer", self)
             if h is not None:
                 h.writer = me
         try:
@@ -535,6 +535,13 @@ class Engine:
             if stepped:
                 for b, _ in batch:
                     b.stepped()
+
+    def wait_writes(self) -> None:
+        """Waits for an async step's worker to have queued every write of the parameters (the
+        state, its failure and the streams' waits are left to :meth:`synchronize`)."""
+        w = self.worker
+        if w is not None and w is not threading.current_thread():
+            w.join()
 
     def synchronize(self, raise_error: bool = True) -> None:
         """Waits for an async step to finish and makes the current stream wait for its copies;

@@ -9,8 +9,9 @@ records when, on which CPU and under what load; a measurement under load is used
 * on a GPU, the pinned host-to-device bandwidth (``pcie_h2d_gbs``).
 
 A call of a block of ``nbytes`` of weights (``params`` of them) over ``rows`` rows costs, on the
-CPU, about ``max(nbytes / host read bandwidth, 2 * params * rows / CPU rate at that many rows)``;
-streamed, about ``nbytes / PCIe bandwidth`` (the GPU's compute overlaps the copies). ``auto``
+CPU, about ``max(nbytes / host read bandwidth, 2 * params * rows / CPU rate at that many rows)``
+plus its crossing (``crossing_us``: the hidden states' copy to the host, its host wait, and the
+output's copy back and its wait; a stated default, not yet measured on a GPU); streamed, about ``nbytes / PCIe bandwidth`` (the GPU's compute overlaps the copies). ``auto``
 placement takes the cheaper, call by call: a decode step (one row) runs on the CPU where the
 host reads faster than PCIe carries, a long prompt streams. ``python -m offload_adam calibrate``
 measures and prints these figures. Each figure of a :class:`CostModel` says where it came from
@@ -36,6 +37,9 @@ log = logging.getLogger("offload_adam")
 DEFAULT_PCIE_GBS = 25.0
 DEFAULT_HOST_GBS = 50.0
 DEFAULT_CPU_GFLOPS = {"1": 30.0, "64": 500.0}
+# A CPU-run call's crossing on a GPU machine (CUDA review, second pass, hazard 7): two blocking
+# event waits, each waking tens of microseconds late, and two small copies. Stated, not measured.
+DEFAULT_CROSSING_US = 60.0
 MATMUL = calibration.MATMUL
 
 
@@ -49,6 +53,7 @@ class CostModel:
     host_read_gbs: float = DEFAULT_HOST_GBS
     pcie_h2d_gbs: float = DEFAULT_PCIE_GBS
     cpu_gflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype name -> {"1": rate, "64": rate}
+    crossing_us: float = DEFAULT_CROSSING_US  # a CPU-run call's moves to the host and back, on a GPU machine
     sources: dict[str, str] = field(default_factory=dict)
 
     def cpu_rate(self, dtype: torch.dtype, rows: int) -> float:
@@ -62,7 +67,8 @@ class CostModel:
         return r1 + (r64 - r1) * (rows - 1) / 63
 
     def cpu_seconds(self, nbytes: int, params: int, rows: int, dtype: torch.dtype) -> float:
-        return max(nbytes / (self.host_read_gbs * 1e9), 2.0 * params * max(rows, 1) / (self.cpu_rate(dtype, rows) * 1e9))
+        compute = max(nbytes / (self.host_read_gbs * 1e9), 2.0 * params * max(rows, 1) / (self.cpu_rate(dtype, rows) * 1e9))
+        return compute + self.crossing_us * 1e-6
 
     def stream_seconds(self, nbytes: int, params: int, rows: int, dtype: torch.dtype) -> float:
         return nbytes / (self.pcie_h2d_gbs * 1e9)
@@ -83,6 +89,7 @@ class CostModel:
             "pcie_h2d_gbs": f"{self.pcie_h2d_gbs:.3g} GB/s ({self.sources.get('pcie_h2d_gbs', default)})",
             mm: f"{by.get('1', DEFAULT_CPU_GFLOPS['1']):.3g} GFLOP/s at 1 row, {by.get('64', DEFAULT_CPU_GFLOPS['64']):.3g} at 64 "
             f"({self.sources.get(mm, default)})",
+            "crossing_us": f"{self.crossing_us:.3g} us per call run on the CPU ({self.sources.get('crossing_us', default)})",
         }
 
     @classmethod
@@ -93,6 +100,7 @@ class CostModel:
             host_read_gbs=float(figures.get("host_read_gbs", DEFAULT_HOST_GBS)),
             pcie_h2d_gbs=float(figures.get("pcie_h2d_gbs", DEFAULT_PCIE_GBS)),
             cpu_gflops=dict(figures.get(MATMUL, {})),
+            crossing_us=float(figures.get("crossing_us", DEFAULT_CROSSING_US)),
             sources=dict(sources or {}),
         )
 
@@ -166,8 +174,15 @@ def disk_read_gbs(nvme_dir: str, nbytes: int = 1 << 30) -> float:
 
 
 def pcie_h2d_rates(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5) -> list[float]:
-    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    """Pinned host-to-device bandwidth on a CUDA ``device``, each repeat, GB/s. The source is
+    pinned by the device's ``cudaHostRegister`` and unregistered when it is freed: torch's pinned
+    allocator (``pin_memory=True``) would keep its 256 MB for the life of the process (CUDA
+    review, second pass, hazard 9)."""
+    from .device import device_for
+
+    dev = device_for(device)
+    assert dev is not None
+    src = dev.host_buffer(nbytes, torch.uint8)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst.copy_(src, non_blocking=True)  # warm-up
     out = []

@@ -42,12 +42,14 @@ from torch import Tensor
 log = logging.getLogger("offload_adam")
 
 class Device(Protocol):
-    """An accelerator, as the clients of the runtime see it."""
+    """An accelerator, as the clients of the runtime see it. A device whose tensors are a Python
+    subclass (the test suite's simulated GPU) names their class as ``tensor_type``: the runtime
+    takes them for plain tensors, not for wrapped (quantized) ones."""
 
     torch_device: torch.device
     d2h: Any  # side stream of copies to the host
     h2d: Any  # side stream of copies to the device (copy-backs, prefetches)
-    h2d_now: Any  # side stream of copies to the device needed now (demand loads), at a higher priority
+    h2d_now: Any  # side stream of copies to the device needed now (demand loads), never behind a prefetch's wait
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
         """A zeroed host buffer of exactly ``n`` elements that copies to and from the device can
@@ -213,9 +215,10 @@ class CudaDevice:
             self.d2h = torch.cuda.Stream(device)
             self.h2d = torch.cuda.Stream(device)
             # A copy needed now must not queue behind a prefetch that waits for the compute to
-            # free its slot: a stream of its own, scheduled first when both have copies ready.
-            lo, hi = torch.cuda.Stream.priority_range()  # type: ignore[call-arg]  # (a static method)
-            self.h2d_now = torch.cuda.Stream(device, priority=min(lo, hi))
+            # free its slot: a stream of its own. No priority: "stream priorities have no effect
+            # on host-to-device and device-to-host memory operations" (CUDA driver API); the
+            # demand load still shares the copy engine and PCIe with a prefetch in flight.
+            self.h2d_now = torch.cuda.Stream(device)
         self._cudart = torch.cuda.cudart()
 
     def host_buffer(self, n: int, dtype: torch.dtype) -> Tensor:
@@ -452,6 +455,21 @@ def stream_device(device: Any, why: str) -> Device:
         raise ValueError(f"device: {d} is not a CUDA device") from None
     assert dev is not None
     return dev
+
+
+def storage_address(t: Tensor) -> int:
+    """The address of ``t``'s storage, wherever it is asked: inside an operator (a saved-tensor
+    hook, which autograd calls there) torch functions of tensor subclasses are off, and a device
+    whose tensors are Python subclasses (the test suite's simulated GPU) answers only through its
+    own; on the CPU and CUDA the plain ``t.untyped_storage().data_ptr()``."""
+    with torch._C._EnableTorchFunction():
+        return int(t.untyped_storage().data_ptr())
+
+
+def data_address(t: Tensor) -> int:
+    """The address of ``t``'s first element (see :func:`storage_address`)."""
+    with torch._C._EnableTorchFunction():
+        return int(t.data_ptr())
 
 
 def set_data(t: Tensor, data: Tensor) -> None:

@@ -12,12 +12,16 @@ to come, and would make the copy stale). When the streaming client hands the par
 (``release``), the writer refuses to write it again.
 
 A parameter held by an optimizer of this package is *claimed*: offloading the weights of a
-claimed parameter is refused (the optimizer imported its storage).
+claimed parameter is refused (the optimizer imported its storage). The claim names its writer
+(weakly): a client that replaces a parameter's data (the weight offload's ``close()`` moving the
+parameters ``resident=`` kept on the device back to the host) first waits for an asynchronous step
+still writing it (``wait_for_writer``), whose copy-back would otherwise land in the freed tensor.
 """
 
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,12 +78,28 @@ def home_of(p: Tensor) -> Home | None:
     return h if isinstance(h, Home) else None
 
 
-def claim(p: Tensor, who: str) -> None:
+_writers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def claim(p: Tensor, who: str, writer: Any = None) -> None:
+    """``p`` is held by ``who`` (in words); ``writer``: the object whose ``wait_writes()`` waits
+    for its writes of ``p`` in flight (held weakly)."""
     _claims[p] = who
+    if writer is not None:
+        _writers[p] = weakref.ref(writer)
 
 
 def unclaim(p: Tensor) -> None:
     _claims.pop(p, None)
+    _writers.pop(p, None)
+
+
+def wait_for_writer(p: Tensor) -> None:
+    """Waits for the writes of ``p`` its claiming writer has in flight (an asynchronous step)."""
+    ref = _writers.get(p)
+    w = ref() if ref is not None else None
+    if w is not None:
+        w.wait_writes()
 
 
 def claimed(p: Tensor) -> str | None:
@@ -87,4 +107,4 @@ def claimed(p: Tensor) -> str | None:
     return who if isinstance(who, str) else None
 
 
-__all__ = ["Home", "claim", "claimed", "home_of", "set_home", "unclaim"]
+__all__ = ["Home", "claim", "claimed", "home_of", "set_home", "unclaim", "wait_for_writer"]

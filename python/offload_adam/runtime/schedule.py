@@ -92,6 +92,7 @@ class _Recorder(TorchFunctionMode):
 class _Local(threading.local):
     def __init__(self) -> None:
         self.args: tuple[Any, ...] = ()  # the positional arguments of the module call being pre-hooked
+        self.kwargs: dict[str, Any] = {}  # its keyword arguments, for the modules of ``see_kwargs``
         self.stack: list[torch.nn.Module] = []
         self.recorder: _Recorder | None = None
         self.busy = 0  # inside a subscriber's callback: its own torch calls are not the module's reads
@@ -107,6 +108,8 @@ class Schedule:
         self._handles: list[Any] = []
         self._local = _Local()
         self._lock = threading.Lock()
+        # Modules whose calls' keyword arguments the pre-hook is handed (``see_kwargs``).
+        self._kw_modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
     def subscribe(self, sub: Subscriber) -> Subscription:
         s = Subscription(self, sub)
@@ -120,14 +123,45 @@ class Schedule:
                     reg.register_module_forward_pre_hook(self._pre),
                     reg.register_module_forward_hook(self._post, always_call=True),
                 ]
+                for m in self._kw_modules:
+                    self._mark_kwargs(m, True)
         return s
+
+    def see_kwargs(self, module: torch.nn.Module, see: bool = True) -> None:
+        """The pre-hook of ``module``'s calls is handed their keyword arguments too
+        (``call_kwargs``): a decoder layer's attention called as ``self_attn(hidden_states=...)``
+        has no positional tensor to size the call by (``see=False``: no longer).
+
+        torch hands a global pre-hook the call's keyword arguments for the modules whose
+        ``_forward_pre_hooks_with_kwargs`` holds the hook's id (what ``with_kwargs=True`` records
+        for a module's own hook); the global hook has no ``with_kwargs``. A module hook instead
+        would run after the global ones, when the call's placement is decided already."""
+        with self._lock:
+            if see:
+                self._kw_modules.add(module)
+            else:
+                self._kw_modules.discard(module)
+            if self._handles:
+                self._mark_kwargs(module, see)
+
+    def _mark_kwargs(self, module: torch.nn.Module, see: bool) -> None:
+        marks = getattr(module, "_forward_pre_hooks_with_kwargs", None)
+        if marks is None:  # a torch without it: calls are sized by their positional arguments
+            return
+        hid = self._handles[0].id
+        if see:
+            marks[hid] = True
+        else:
+            marks.pop(hid, None)
 
     def _remove(self, s: Subscription) -> None:
         with self._lock:
             if s in self._subs:
                 self._subs.remove(s)
             self._refs = tuple(x.ref for x in self._subs)
-            if not self._subs:
+            if not self._subs and self._handles:
+                for m in self._kw_modules:
+                    self._mark_kwargs(m, False)
                 for h in self._handles:
                     h.remove()
                 self._handles = []
@@ -145,7 +179,7 @@ class Schedule:
             if s.ref() is None:
                 self._remove(s)
 
-    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+    def _pre(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any] | None = None) -> None:
         loc = self._local
         if loc.recorder is None and any(s.record for s in self._subs) and not torch.compiler.is_compiling():
             wanted = [s for s in self._subs if s.record]
@@ -155,6 +189,7 @@ class Schedule:
             loc.recorder.__enter__()
         loc.stack.append(module)
         loc.args = args
+        loc.kwargs = kwargs or {}
         loc.busy += 1
         try:
             dead = False
@@ -169,11 +204,17 @@ class Schedule:
         finally:
             loc.busy -= 1
             loc.args = ()
+            loc.kwargs = {}
 
     def call_args(self) -> tuple[Any, ...]:
         """Inside a subscriber's ``pre_forward``: the positional arguments of the module call
         about to run (a block's hidden states: how many rows the call has)."""
         return self._local.args
+
+    def call_kwargs(self) -> dict[str, Any]:
+        """Inside a subscriber's ``pre_forward``: the keyword arguments of the module call about
+        to run, for the modules of ``see_kwargs`` (empty for the others)."""
+        return self._local.kwargs
 
     def _post(self, module: torch.nn.Module, args: Any, out: Any) -> None:
         loc = self._local

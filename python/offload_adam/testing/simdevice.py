@@ -305,6 +305,8 @@ class SimulatedDevice:
     """CUDA stream semantics on the CPU, with device memory of its own (see the module
     documentation)."""
 
+    tensor_type = simbackend.SimTensor  # its memory's tensors: the product takes them for plain ones
+
     def __init__(
         self,
         seed: int = 0,

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.device import set_data, swap
+from ..runtime.device import device_for, set_data, swap
 from ..runtime.pinned import align_up
 
 TENSOR_ALIGN = 256  # bytes: every tensor of a block starts on it (as the caching allocator aligns: kernels see the same alignment)
@@ -41,10 +41,23 @@ def wrapped(t: Tensor) -> bool:
     operators itself): not a plain tensor, nor a parameter (of a subclass that only adds Python
     attributes)."""
     cls = type(t)
-    if cls is Tensor or cls is torch.nn.Parameter:
+    if cls is Tensor or cls is torch.nn.Parameter or _device_memory(t):
         return False
     dispatch = getattr(cls.__torch_dispatch__, "__func__", cls.__torch_dispatch__)
     return hasattr(cls, "__tensor_flatten__") or dispatch is not torch._C._disabled_torch_dispatch_impl
+
+
+def _device_memory(t: Tensor) -> bool:
+    """``t`` is the plain memory of a device the runtime streams through whose tensors are a
+    Python subclass (its ``tensor_type``: the test suite's simulated GPU, whose tensors wrap host
+    memory to tell it from the CPU's), what a plain CUDA tensor is on a GPU."""
+    if t.device.type in ("cpu", "meta", "cuda"):
+        return False
+    try:
+        dev = device_for(t.device)
+    except ValueError:
+        return False
+    return dev is not None and type(t) is getattr(dev, "tensor_type", None)
 
 
 def _dense(t: Tensor) -> bool:

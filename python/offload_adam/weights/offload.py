@@ -17,10 +17,10 @@ from torch import Tensor
 
 from ..runtime import checks, costs
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
-from ..runtime.hosted import Home, claimed, set_home
+from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
-from .blocks import Block, Entry, find_blocks
+from .blocks import Block, Entry, find_blocks, wrapped
 from .checkpoint import Checkpoint
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer, host_only_blocks
@@ -437,6 +437,10 @@ class WeightOffload:
                 for h in hs:
                     h.ready.wait()  # an asynchronous step still writing it
                     h.release()  # its writer may no longer step it
+            for p in self.kept:
+                # An asynchronous step still to queue its copy-back into the device tensor that
+                # the host copy replaces below (CUDA review, second pass, hazard 8).
+                wait_for_writer(p)
             self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
@@ -659,6 +663,14 @@ def offload_weights(
                 raise TypeError(f"resident must return a bool, got {got} for {n}")
             if answer:
                 kept.append((n, p))
+        quantized = [(n, p) for n, p in kept if wrapped(p)]
+        if quantized:
+            n, p = quantized[0]
+            raise ValueError(
+                f"resident: {n} is a {type(p).__name__} (a quantized tensor): parameters kept on the device are moved "
+                "there as plain tensors of its dtype (a dequantized copy, or torchao's copy_ refusing it); leave it out "
+                "of resident= and it streams with its block"
+            )
         on_meta = [n for n, p in kept if p.device.type == "meta"]
         if on_meta:
             raise ValueError(f"resident: {on_meta[0]} is on the meta device: parameters kept on the device are moved there as they are")

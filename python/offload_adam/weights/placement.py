@@ -24,6 +24,7 @@ int8 and fp8 weight-only ones; no gradient wanted), torch's kernels otherwise;
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from .blocks import Block
 from .hostmatmul import NativeMatmul, bf16_faster
 
 PLACEMENTS = ("stream", "cpu", "auto")
+CROSSED_KEPT = 8  # host copies of device tensors kept for the next CPU calls (HostCalls._crossed)
 
 
 def _first_tensor(args: Any) -> Tensor | None:
@@ -45,10 +47,15 @@ def _first_tensor(args: Any) -> Tensor | None:
     return None
 
 
-def call_shape(args: Any) -> tuple[int, int]:
+def call_shape(args: Any, kwargs: dict[str, Any] | None = None) -> tuple[int, int]:
     """(rows, rows per sequence) of a block call: its hidden states' rows, and the length of the
-    sequence axis (1: a decode step)."""
+    sequence axis (1: a decode step). The hidden states are the first positional tensor, else the
+    keyword ``hidden_states`` (an attention called as ``self_attn(hidden_states=...)``), else the
+    first keyword tensor."""
     t = _first_tensor(args)
+    if t is None and kwargs:
+        hs = kwargs.get("hidden_states")
+        t = hs if isinstance(hs, Tensor) else _first_tensor(kwargs.values())
     if t is None or t.dim() == 0:
         return 1, 1
     if t.dtype in (torch.int64, torch.int32):  # token ids (an embedding's call)
@@ -79,8 +86,10 @@ class Placer:
     def reset_stats(self) -> None:
         self.counts: dict[str, dict[str, int]] = {"prompt": {"stream": 0, "cpu": 0}, "decode": {"stream": 0, "cpu": 0}}
 
-    def decide(self, b: int, module: torch.nn.Module, args: Any, training: bool) -> str:
-        rows, seq = call_shape(args)
+    def decide(
+        self, b: int, module: torch.nn.Module, args: Any, training: bool, kwargs: dict[str, Any] | None = None
+    ) -> str:
+        rows, seq = call_shape(args, kwargs)
         if not self.on_device:
             where = "cpu"
         elif training:
@@ -96,10 +105,10 @@ class Placer:
         self.last[b] = where
         return where
 
-    def overrule(self, b: int, args: Any, where: str) -> str:
+    def overrule(self, b: int, args: Any, where: str, kwargs: dict[str, Any] | None = None) -> str:
         """The call of ``b`` just decided (on ``args``) runs ``where`` instead (the streamer's
         verdict): counted there."""
-        rows, seq = call_shape(args)
+        rows, seq = call_shape(args, kwargs)
         phase = self.counts["prompt" if seq > 1 else "decode"]
         phase[self.last[b]] -= 1
         phase[where] += 1
@@ -155,6 +164,10 @@ class HostCalls:
         self.stack: list[tuple[str, float, int | None, bool]] = []  # (where, start, threads to restore, mode entered)
         self.layer: dict[int, int | None] = {}
         self.handles: list[Any] = []
+        # Device tensors handed to CPU calls, and their host copies: the mask and the position
+        # embeddings every layer of a pass takes cross once (a copy is its tensor's while the
+        # tensor lives at the same version; weakly held, the last few).
+        self.crossed: list[tuple[weakref.ref[Tensor], int, Tensor, int]] = []
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -180,6 +193,7 @@ class HostCalls:
         for h in self.handles:
             h.remove()
         self.handles = []
+        self.crossed = []
 
     # -- moves ----------------------------------------------------------------------------------
 
@@ -196,6 +210,24 @@ class HostCalls:
         dev.stream_waits(dev.h2d_now, dev.record_current())  # after the allocation (memory reused at once)
         dev.copy_blocking([(out, t)], dev.h2d_now)
         return out
+
+    def _crossed(self, t: Tensor) -> Tensor:
+        """``t``'s host copy: the one made for an earlier call if ``t`` has not changed since."""
+        if not t.is_inference():
+            for ref, v, copy, hv in self.crossed:
+                if ref() is t and v == t._version and hv == copy._version:  # neither side changed since
+                    return copy
+        self.stats["hidden_bytes"] += t.numel() * t.element_size()
+        out = self._to_host(t)
+        self._remember(t, out)
+        return out
+
+    def _remember(self, t: Tensor, host: Tensor) -> None:
+        """``host`` holds what the device tensor ``t`` holds now (until ``t`` changes)."""
+        if t.is_inference() or host.is_inference():
+            return  # (no version counter: a change could not be seen)
+        self.crossed = [c for c in self.crossed[-(CROSSED_KEPT - 1) :] if c[0]() is not None]
+        self.crossed.append((weakref.ref(t), t._version, host, host._version))
 
     def _on_device(self, t: Tensor) -> bool:
         return t.device.type == self.device.torch_device.type
@@ -240,8 +272,7 @@ class HostCalls:
 
         def host(x: Any) -> Any:
             if isinstance(x, Tensor) and self._on_device(x):
-                self.stats["hidden_bytes"] += x.numel() * x.element_size()
-                return self._to_host(x)
+                return self._crossed(x)
             return x
 
         return tree_map(host, tuple(args)), tree_map(host, kwargs)
@@ -264,7 +295,9 @@ class HostCalls:
         def back(x: Any) -> Any:
             if isinstance(x, Tensor) and x.device.type == "cpu":
                 self.stats["hidden_bytes"] += x.numel() * x.element_size()
-                return self._to_device(x)
+                out = self._to_device(x)
+                self._remember(out, x)  # the next layer on the CPU takes it as it was: no copy back
+                return out
             return x
 
         return tree_map(back, out)

@@ -19,6 +19,7 @@ leaves the embedding it was tied to, as ``quantize_`` on the whole model does.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +31,25 @@ from .blocks import DTYPES, find_blocks, wrapped
 from .checkpoint import Checkpoint
 from .undo import Undo
 
-Quantizer = Callable[[torch.nn.Module], Any]
+# A function of (module, the ids of the parameters resident= keeps): quantizes the module's
+# linears, leaving the modules that hold kept parameters (a LoRA adapter's lora_A/lora_B linears,
+# which a torchao config would quantize with the base).
+Quantizer = Callable[[torch.nn.Module, frozenset[int]], Any]
+
+
+def _holds_kept(module: torch.nn.Module, keep: frozenset[int]) -> bool:
+    return any(id(p) in keep for p in module.parameters(recurse=False))
+
+
+def host_kernels(config: Any) -> Any:
+    """``config`` with torchao's own kernels where it would pick them by the GPU: a config's
+    ``kernel_preference`` AUTO chooses mslk's quantize kernel when mslk is installed on a GPU of
+    compute capability 9.0 or more, and would run it on the host tensors ``quantize=`` hands it
+    (CUDA review, second pass, hazard 9). The weight keeps TORCH for its matmuls."""
+    pref = getattr(config, "kernel_preference", None)
+    if pref is None or getattr(pref, "name", "") != "AUTO" or not dataclasses.is_dataclass(config):
+        return config
+    return dataclasses.replace(config, kernel_preference=type(pref).TORCH)  # type: ignore[type-var]
 
 
 def quantizer(quantize: Any) -> Quantizer:
@@ -45,8 +64,8 @@ def quantizer(quantize: Any) -> Quantizer:
             f"quantize: {name} is a class: pass an instance, {name}() (a torchao config), or a function of a module"
         )
     if callable(quantize):
-        fn: Quantizer = quantize
-        return fn
+        user = quantize
+        return lambda module, keep: user(module)
     try:
         quantize_ = importlib.import_module("torchao.quantization").quantize_
     except ImportError as err:
@@ -61,7 +80,9 @@ def quantizer(quantize: Any) -> Quantizer:
             f"quantize: {quantize!r} (of type {type(quantize).__name__}) is neither a torchao config (an instance, such as "
             "torchao.quantization.Int8WeightOnlyConfig()) nor a function of a module"
         ) from err
-    return lambda module: quantize_(module, quantize)
+    config = host_kernels(quantize)
+    linear = importlib.import_module("torchao.quantization.quant_api")._is_linear  # quantize_'s default filter
+    return lambda module, keep: quantize_(module, config, filter_fn=lambda m, fqn: linear(m) and not _holds_kept(m, keep))
 
 
 def quantize_blocks(
@@ -88,12 +109,20 @@ def quantize_blocks(
             for m in b.modules:
                 for p in m.parameters():
                     undo.hold(p)  # (the full-precision tensors of a model on the host)
+            kept = {n for m in b.modules for n, p in m.named_parameters(prefix=names.get(id(m), "")) if id(p) in keep}
             try:
                 for m in b.modules:
-                    fn(m)
+                    fn(m, keep)
             except Exception as err:
                 err.add_note(f"offload_adam: raised by quantize= on block {b.name}; the model is as it was before offload_weights")
                 raise
+            for m in b.modules:
+                for n, p in m.named_parameters(prefix=names.get(id(m), "")):
+                    if wrapped(p) and n in kept:
+                        raise TypeError(
+                            f"quantize: it quantized {n}, which resident= keeps on the device as a plain tensor: "
+                            "leave the modules of kept parameters out of quantize= (a torchao config does)"
+                        )
             for m in b.modules:
                 for n, p in m.named_parameters(prefix=names.get(id(m), "")):
                     if not wrapped(p) and p.dtype not in DTYPES:

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.device import Device, Meter, refuse_capture
+from ..runtime.device import Device, Meter, data_address, refuse_capture, storage_address
 from ..runtime.hosted import Home
 from ..runtime.schedule import SCHEDULE
 from .blocks import Block, wrapped
@@ -184,7 +184,13 @@ class Streamer:
         self.started: dict[int, int] = {}  # recording: id(module) -> where its forward started in `seen`
         self.recording = False
         self.sub = SCHEDULE.subscribe(self)
+        if placer is not None:  # a call is sized by its hidden states, positional or keyword
+            for m in self._trigger_modules():
+                SCHEDULE.see_kwargs(m)
         self._record()
+
+    def _trigger_modules(self) -> list[torch.nn.Module]:
+        return [m for b in self.streamed for m in self.blocks[b].modules]
 
     @property
     def order(self) -> list[int]:
@@ -215,7 +221,7 @@ class Streamer:
 
     def _load(self, b: int, g: int, last: int, slot: Slot | None = None, now: bool = False) -> _Loaded:
         """Queues the copy of block ``b`` into a slot (see ``loader.py``). ``now``: needed at once
-        (not a prefetch): on the device's priority stream, never behind a prefetch."""
+        (not a prefetch): on the device's stream of copies needed now, never behind a prefetch's wait."""
         if slot is None:
             slot = self.ring.free(b) or self._evict_for(b)
         try:
@@ -447,11 +453,11 @@ class Streamer:
                 if s is not None and where is not None and where[0] in s.active:
                     return _Param(where[0], where[1], s.loader.versions(where[0]))
                 return _Outer(outer[0](t), outer[1]) if outer is not None else t
-            slot = s.ring.of_storage(t.untyped_storage().data_ptr()) if s is not None else None
+            slot = s.ring.of_storage(storage_address(t)) if s is not None else None
             if s is not None and slot is not None and slot.block is not None and t.device == slot.buf.device:
                 b = slot.block
                 es = t.element_size()
-                off = t.data_ptr() - slot.buf.data_ptr()
+                off = data_address(t) - data_address(slot.buf)
                 return _Token(b, off // es, t.dtype, tuple(t.shape), tuple(t.stride()), s.loader.versions(b))
             cast = s._cast_of(t) if s is not None else None
             if cast is not None:
@@ -523,11 +529,12 @@ class Streamer:
             else:
                 where = self._where()
                 if self.placer is not None:
-                    where = self.placer.decide(b, module, SCHEDULE.call_args(), torch.is_grad_enabled())
+                    args, kwargs = SCHEDULE.call_args(), SCHEDULE.call_kwargs()
+                    where = self.placer.decide(b, module, args, torch.is_grad_enabled(), kwargs)
                     if where == "cpu" and b in self.active and b not in self.hosted:
                         # Its weights are on the device already (held there by a read outside its
                         # module): the call runs there, its inputs are not moved to the host.
-                        where = self.placer.overrule(b, SCHEDULE.call_args(), "stream")
+                        where = self.placer.overrule(b, args, "stream", kwargs)
                 self.decided[id(module)] = where
                 self.activate(b, where=where)
             if torch.is_grad_enabled():
@@ -613,6 +620,8 @@ class Streamer:
 
     def close(self) -> None:
         self.sub.cancel()
+        for m in self._trigger_modules():
+            SCHEDULE.see_kwargs(m, see=False)
         self.device.drain()
         self.loaded.clear()
         self.active.clear()

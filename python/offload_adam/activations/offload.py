@@ -111,10 +111,10 @@ class ActivationOffload:
         max_inflight_bytes: int,
     ) -> None:
         self.device = device
-        # The class of the device's own tensors (what its factories make: torch.Tensor on CUDA; a
-        # device type registered from Python has a subclass of its own): a tensor of another
-        # class that dispatches itself is a wrapper subclass, kept.
-        self.plain = type(torch.empty(0, device=device.torch_device))
+        # The class of the device's own tensors (torch.Tensor on CUDA; a device whose tensors are
+        # a Python subclass names it, tensor_type): a tensor of another class that dispatches
+        # itself is a wrapper subclass, kept.
+        self.plain: type = getattr(device, "tensor_type", Tensor)
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.storage = storage

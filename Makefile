@@ -1,6 +1,6 @@
 # The two set-up-and-run commands of the README:
 #   make demo   creates .venv, builds and installs offload_adam (release), runs the main job
-#               (DEMO_ARGS="--offload nvme --nvme-dir DIR" puts its optimizer state on an SSD)
+#               (DEMO_ARGS="--storage nvme --nvme-dir DIR" puts its optimizer state on an SSD)
 #   make test   same set-up, then cargo test and pytest
 #   (make generate runs examples/generate.py: the demo's model loaded from its checkpoint, answering sums;
 #    make docs builds the documentation site into site/; CONTRIBUTING.md lists every target)
@@ -11,19 +11,36 @@ DEPS   := $(VENV)/.deps-installed
 
 .PHONY: demo test test-slow test-isa install bench asv wheel lint clean generate docs
 
+# bash, so that a step piped through a filter still fails when the step fails
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+
 $(BIN)/python:
+	@echo "== creating the virtual environment $(VENV) ($(PYTHON) -m venv)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "== $(VENV) created"
 
+# Once, and again when requirements-dev.txt changes (the stamp $(DEPS) is older): pip prints each
+# package it downloads and installs (torch and its CUDA wheels are GBs: minutes the first time);
+# the packages already there are not listed.
 $(DEPS): requirements-dev.txt | $(BIN)/python
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -r requirements-dev.txt
-	touch $@
+	@echo "== installing the dependencies of requirements-dev.txt into $(VENV) (the first time: several GB, minutes)"
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -m pip install -r requirements-dev.txt 2>&1 | { grep -v "^Requirement already satisfied" || true; }
+	@touch $@
+	@echo "== dependencies installed (stamp $@: skipped until requirements-dev.txt changes)"
 
-# cargo decides what to rebuild, so this is quick when nothing changed.
+# cargo decides what to rebuild, so this is quick when nothing changed; maturin's listing of the
+# packages already installed (29 lines on every target) is kept in $(VENV)/maturin.log, shown
+# only when the build fails.
 install: $(DEPS)
-	VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --quiet
+	@echo "== building offload_adam (cargo build --release, then installed into $(VENV) by maturin)"
+	@VIRTUAL_ENV=$(abspath $(VENV)) $(BIN)/maturin develop --release --quiet > $(VENV)/maturin.log 2>&1 \
+	  || { cat $(VENV)/maturin.log; echo "== the build failed (log above, and in $(VENV)/maturin.log)"; exit 1; }
+	@echo "== offload_adam built and installed ($$($(BIN)/python -c "import offload_adam; print(offload_adam.__version__)" 2>/dev/null || echo ?))"
 
 demo: install
+	@echo "== the main job: examples/train_gpt.py $(DEMO_ARGS)"
 	$(BIN)/python examples/train_gpt.py $(DEMO_ARGS)
 
 # Weights offloaded: the sums model make demo saved (trained first if it is not there), built empty

@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     ap.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (linear warm-up over 10%% of the steps, then cosine)")
     ap.add_argument("--clip", type=float, default=1.0, help="clip the gradients' total norm to this (opt.clip_grad_norm_)")
-    ap.add_argument("--offload", default="cpu", choices=["cpu", "nvme"], help="AdamW(offload=...): the state in host RAM or on an SSD")
+    ap.add_argument("--storage", "--offload", default="cpu", choices=["cpu", "nvme"], help="AdamW(storage=...): the state in host RAM or on an SSD (--offload: the former name)")
     ap.add_argument("--nvme-dir", metavar="DIR", help="--offload nvme: an existing directory on the SSD")
     ap.add_argument("--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8"], help="AdamW(state_dtype=...): the moments")
     ap.add_argument("--master-dtype", default="float32", choices=["float32", "bfloat16"], help="AdamW(master_dtype=...): bfloat16 keeps no fp32 masters (Kahan compensation; bf16 weights)")
@@ -124,8 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.text and not args.model:
         ap.error("--text needs --model DIR (its tokenizer cuts the text)")
-    if args.offload == "nvme" and not args.nvme_dir:
-        ap.error("--offload nvme needs --nvme-dir, a directory on the SSD")
+    if args.storage == "nvme" and not args.nvme_dir:
+        ap.error("--storage nvme needs --nvme-dir, a directory on the SSD")
     with _device() as (where, inputs_to):
         run(args, where, inputs_to)
     return 0
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace, where: str, inputs_to: torch.device | None) ->
     # Then the optimizer over the streamed parameters: its step writes the host copy the next
     # forward streams. free_gradients: the GPU never holds more than a window of gradients.
     opt = offload_adam.AdamW(
-        model.parameters(), lr=args.lr, weight_decay=0.0, free_gradients=True, offload=args.offload, nvme_dir=args.nvme_dir,
+        model.parameters(), lr=args.lr, weight_decay=0.0, free_gradients=True, storage=args.storage, nvme_dir=args.nvme_dir,
         state_dtype=getattr(torch, args.state_dtype), master_dtype=getattr(torch, args.master_dtype),
     )  # fmt: skip
     from transformers import get_cosine_schedule_with_warmup
@@ -172,19 +172,13 @@ def run(args: argparse.Namespace, where: str, inputs_to: torch.device | None) ->
         up.append(h.report()["h2d_bytes"])
         if step % max(1, args.steps // 10) == 0 or step == args.steps - 1:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  lr {sched.get_last_lr()[0]:.2e}")
-    mem = opt.memory_report()
-    rep = h.report()
     k = max(1, len(losses) // 5)
     print(
         f"loss: first {statistics.mean(losses[:k]):.4f}, last {statistics.mean(losses[-k:]):.4f} (means of {k} steps); "
         f"step {statistics.median(times[1:] or times) * 1e3:.1f} ms (median)"
     )
-    print(
-        f"weights streamed: {rep['streamed_blocks']} of {rep['blocks']} blocks ({rep['streamed_bytes'] / MiB:.1f} MiB), "
-        f"{statistics.median(up) / MiB:.1f} MiB up per step, ring {rep['ring_bytes'] / MiB:.1f} MiB; "
-        f"optimizer: state {args.state_dtype}, masters {args.master_dtype}, offload={args.offload!r}, host {mem['host_bytes'] / MiB:.1f} MiB"
-        + (f", NVMe {mem['nvme_bytes'] / MiB:.1f} MiB" if "nvme_bytes" in mem else "")
-    )
+    print(f"weights streamed: {statistics.median(up) / MiB:.1f} MiB up per step; {h!r}")
+    print(opt.summary())  # the optimizer's own account: parameters, the state's dtypes, bytes per tier
     opt.close()  # the optimizer first (its step writes the streamed weights' host copy)
     h.close()  # then the weights come back to the host, as ordinary tensors
     if args.save:

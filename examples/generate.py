@@ -13,9 +13,11 @@ bandwidth / streamed bytes per token), and the same figures for the model reside
 (``device="cpu"``: the real CPU path, not a simulation), and it says so.
 
 With --sums DIR it loads the model `make demo` trained and saved there (examples/train_gpt.py:
-sentences of sums), built empty and filled from its safetensors checkpoint by offload_weights
-(storage "nvme" by default), and answers 100 sums such as "17+5=": right answers show that the
-weights arrived intact. `make generate` runs that.
+sums of two numbers below 100), built empty and filled from its safetensors checkpoint by
+offload_weights (storage "nvme" by default), and answers 100 sums such as "17+05=" (the model
+writes the sum's digits lowest first, "220;"), checked against the same checkpoint loaded into RAM:
+right answers show the model learned, identical ones that the weights arrived intact. It prints
+the handle's own account (``repr(h)``, ``h.summary()``). `make generate` runs that.
 
 examples:
     python examples/generate.py --sums runs/sums --storage nvme    # what make generate runs
@@ -154,22 +156,17 @@ def offload_kwargs(args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
     return kw
 
 
-def host_figures(rep: dict[str, Any], cuda: bool) -> str:
-    """VRAM, RAM and page cache, as the report gives them."""
-    vram = f"VRAM peak of the offload {rep['gpu_peak_bytes'] / MiB:.1f} MiB" if cuda else "VRAM: none (no GPU)"
-    return (
-        f"{vram}; RAM: peak RSS of this process {rep['host_rss_peak_bytes'] / MiB:.1f} MiB, weights kept in RAM "
-        f"{(rep['host_resident_bytes'] + rep['host_pinned_bytes']) / MiB:.1f} MiB, RAM ring {rep['host_ring_bytes'] / MiB:.1f} MiB; "
-        f"page cache of the offload's files {rep['page_cache_bytes'] / MiB:.2f} MiB; NVMe {rep['nvme_bytes'] / MiB:.1f} MiB"
-    )
+def read_rate(args: argparse.Namespace, cuda: bool) -> float | None:
+    """The SSD's read rate for the bound with the CPU as the device: None where this machine's
+    calibration has one (the summary reads it, and says where it came from), else measured now
+    under the run's nvme_dir (not stored)."""
+    if cuda or args.storage != "nvme":
+        return None
+    from offload_adam.runtime import calibration, costs
 
-
-def per_token(rep: dict[str, Any], cuda: bool) -> tuple[float, str]:
-    """The bytes a forward moves to run its non-resident blocks, and what moves them."""
-    passes = max(rep["passes"], 1)
-    if cuda:
-        return rep["h2d_bytes"] / passes, "host to device"
-    return rep.get("read_bytes", 0) / passes, "read from the SSD"
+    if calibration.read().rate("disk_read_gbs") is not None:
+        return None
+    return costs.disk_read_gbs(args.nvme_dir, 256 << 20)
 
 
 def sums(args: argparse.Namespace, cuda: bool, where: str) -> None:
@@ -181,7 +178,7 @@ def sums(args: argparse.Namespace, cuda: bool, where: str) -> None:
     from accelerate import init_empty_weights
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from train_gpt import GPT, VOCAB
+    from train_gpt import ANSWER_LEN, GPT, PROMPT_LEN, VOCAB, encode, read_answer, sum_prompt
 
     ckpt = os.path.join(args.sums, "model.safetensors")
     if not os.path.exists(ckpt):
@@ -195,98 +192,53 @@ def sums(args: argparse.Namespace, cuda: bool, where: str) -> None:
     print(f"the sums model of make demo: {cfg['layers']} layers, d_model {cfg['d_model']}, {cfg['dtype']}, from {ckpt}; device: {where}")
     t0 = time.perf_counter()
     h = offload_adam.offload_weights(model, checkpoint=ckpt, **offload_kwargs(args, cuda))
-    print(f"offload: storage {args.storage}, placement {h.report()['placement']}, set up in {time.perf_counter() - t0:.2f} s")
-    lut = {c: i for i, c in enumerate(VOCAB)}
+    print(f"offloaded in {time.perf_counter() - t0:.2f} s: {h!r}")
     g = torch.Generator().manual_seed(args.seed)
-    pairs = torch.randint(0, 100, (100, 2), generator=g).tolist()
-    by_len: dict[int, list[tuple[int, int]]] = {}
-    for a, b in pairs:
-        by_len.setdefault(len(f"{a}+{b}="), []).append((a, b))
+    pairs = [(a, b) for a, b in torch.randint(0, 100, (100, 2), generator=g).tolist()]
     dev = "cuda" if cuda else "cpu"
-    timed = {"ttft": None, "decode_s": 0.0, "new_tokens": 0}
+    timed = {"ttft": 0.0, "decode_s": 0.0}
 
     def answer(m: torch.nn.Module, timing: bool) -> list[str]:
-        """Greedy answers to the 100 sums, batched by prompt length (up to three digits and ';')."""
-        outs: dict[tuple[int, int], str] = {}
+        """Greedy answers to the 100 sums in one batch (every prompt has PROMPT_LEN characters),
+        as the model writes them: the sum's digits lowest first, then ';' (train_gpt.sum_answer)."""
+        x = torch.tensor([encode(sum_prompt(a, b)) for a, b in pairs], device=dev)
         with torch.no_grad():
-            for n, group in sorted(by_len.items()):
-                x = torch.tensor([[lut[c] for c in f"{a}+{b}="] for a, b in group], device=dev)
-                got = [""] * len(group)
-                for step in range(4):
-                    sync(cuda)
-                    t = time.perf_counter()
-                    nxt = m(x)[:, -1].argmax(-1)
-                    sync(cuda)
-                    if timing and timed["ttft"] is None:
-                        timed["ttft"] = time.perf_counter() - t
-                    elif timing:
-                        timed["decode_s"] += time.perf_counter() - t
-                        timed["new_tokens"] += len(group)
-                    x = torch.cat([x, nxt[:, None]], 1)
-                    for i, c in enumerate(nxt.tolist()):
-                        got[i] += VOCAB[c]
-                outs.update(zip(group, got))
-        return [outs[(a, b)] for a, b in pairs]
+            for step in range(ANSWER_LEN):
+                sync(cuda)
+                t = time.perf_counter()
+                nxt = m(x)[:, -1].argmax(-1)
+                sync(cuda)
+                if timing:
+                    timed["ttft" if step == 0 else "decode_s"] += time.perf_counter() - t
+                x = torch.cat([x, nxt[:, None]], 1)
+        return ["".join(VOCAB[i] for i in row[PROMPT_LEN:]) for row in x.tolist()]
 
     h.reset_stats()
     outs = answer(model, True)
-    rep = h.report()
-    right = sum(o.split(";")[0] == str(a + b) and ";" in o for o, (a, b) in zip(outs, pairs))
+    got = [read_answer(o) for o in outs]
+    right = sum(s == a + b for s, (a, b) in zip(got, pairs))
     # The same checkpoint loaded into RAM the ordinary way: the answers must be the same, right or wrong.
     from safetensors.torch import load_model
 
     plain = GPT(cfg["vocab"], cfg["ctx"], cfg["d_model"], cfg["layers"], cfg["heads"]).to(getattr(torch, cfg["dtype"])).eval()
     load_model(plain, ckpt)
     same = answer(plain.to(dev), False) == outs
-    ttft, decode_s, new_tokens = float(timed["ttft"] or 0.0), float(timed["decode_s"]), int(timed["new_tokens"])
-    moved, how = per_token(rep, cuda)
-    a, b = pairs[0]
+    wrong = [(a, b, s) for s, (a, b) in zip(got, pairs) if s != a + b]
+    (a, b), shown = pairs[0], got[0]
     print(
-        f"accuracy over 100 sums: {right}/100 (e.g. {a}+{b}={outs[0].split(';')[0]}); answers "
+        f"accuracy over 100 sums: {right}/100 (e.g. {a}+{b}={shown if shown is not None else '?'}, written {outs[0]!r}: "
+        f"the digits lowest first)"
+        + (f"; wrong: {', '.join(f'{x}+{y}={s}' for x, y, s in wrong[:3])}" if wrong else "")
+        + "; answers "
         + ("identical to the checkpoint loaded into RAM: the weights arrived intact" if same else "DIFFER from the checkpoint loaded into RAM")
-        + ("" if right >= 50 else " (the demo's model knows few sums: train longer, make demo DEMO_ARGS=\"--steps 2000\")")
+        + ("" if right >= 90 else " (the demo's model knows few sums: was it trained with fewer steps than make demo's?)")
     )
     if not same:
         raise SystemExit(1)
-    print(host_figures(rep, cuda))
-    rate = new_tokens / max(decode_s, 1e-9)
-    print(f"per forward: {moved / MiB:.2f} MiB {how}; time to first token {ttft * 1e3:.1f} ms, {rate:.1f} tokens/s "
-          f"(batched by prompt length; each forward reruns the whole context: this model has no KV cache)")
-    print(f"placement: {rep['calls']}; time in blocks run on the CPU {rep['cpu_s']:.3f} s")
-    if cost_model_line(rep):
-        print(cost_model_line(rep))
-    print(bound_line(rep, cuda, moved, rate, args))
+    forwards = ANSWER_LEN - 1
+    print(h.summary(ttft_s=timed["ttft"], tokens_per_s=forwards * len(pairs) / max(timed["decode_s"], 1e-9), read_gbs=read_rate(args, cuda)))
+    print("(tokens/s: the 100 sums in one batch; each forward reruns the whole context, this model has no KV cache)")
     h.close()
-
-
-def bound_line(rep: dict[str, Any], cuda: bool, moved: float, rate: float, args: argparse.Namespace) -> str:
-    """The tokens/s the moved bytes allow: over the measured host-to-device bandwidth on a GPU, or
-    this disk's O_DIRECT read rate (this machine's calibration's, else measured here and not
-    stored) on the CPU; it says which."""
-    if moved <= 0:
-        return "bound: nothing moved per forward (every block resident)"
-    if cuda:
-        bw = rep["h2d_bytes"] / rep["h2d_s"] if rep["h2d_s"] > 0 else float("nan")
-        what, source = "host-to-device bandwidth", "this run's copies"
-    else:
-        from offload_adam.runtime import calibration, costs
-
-        cal = calibration.read()
-        got = cal.rate("disk_read_gbs")
-        if got is not None:
-            bw, source = got[0], f"calibration {cal.where}, {got[1].describe()}"
-        else:
-            bw, source = costs.disk_read_gbs(args.nvme_dir, 256 << 20), "measured now under the run's nvme_dir, not stored"
-        bw *= 1e9
-        what = "O_DIRECT read rate"
-    forwards = bw / moved
-    return f"bound: {what} {bw / 1e9:.2f} GB/s ({source}) / {moved / MiB:.2f} MiB per forward = {forwards:.1f} forwards/s"
-
-
-def cost_model_line(rep: dict[str, Any]) -> str | None:
-    """placement="auto": the figures its choices took and where they came from (None otherwise)."""
-    cm = rep.get("cost_model")
-    return None if cm is None else "placement='auto' cost model: " + "; ".join(f"{k} {v}" for k, v in cm.items())
 
 
 def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
@@ -331,27 +283,16 @@ def run(args: argparse.Namespace, cuda: bool, where: str) -> None:
     generate(model, xs, 2, cuda)  # the first forward records the order
     h.reset_stats()
     toks, ttft, rate = generate(model, xs, args.tokens, cuda)
-    rep = h.report()
-    moved, how = per_token(rep, cuda)
-    print(
-        f"offload: storage {args.storage}, placement {rep['placement']}, prefetch {args.prefetch}, {rep['streamed_blocks']} of "
-        f"{rep['blocks']} blocks streamed ({rep['streamed_bytes'] / MiB:.1f} MiB), resident on the GPU "
-        f"{rep['gpu_resident_bytes'] / MiB:.1f} MiB, ring {rep['ring_bytes'] / MiB:.1f} MiB; set up in {setup:.2f} s"
-    )
-    print(host_figures(rep, cuda) + (f" (torch.cuda.max_memory_allocated: {torch.cuda.max_memory_allocated() / MiB:.1f} MiB)" if cuda else ""))
-    print(
-        f"per forward (per token): {moved / MiB:.1f} MiB {how}; compute waited {rep['stall_s'] * 1e3:.1f} ms for weights, "
-        f"{rep['cpu_s']:.2f} s in blocks run on the CPU, over {rep['passes']} forwards; placement {rep['calls']}"
-        + (f"; host waited {rep['io_wait_s'] * 1e3:.1f} ms for the disk" if args.storage == "nvme" else "")
-    )
-    if cost_model_line(rep):
-        print(cost_model_line(rep))
-    print(f"time to first token {ttft * 1e3:.1f} ms, decode {rate:.2f} tokens/s; " + bound_line(rep, cuda, moved, rate, args))
+    print(f"offloaded in {setup:.2f} s: {h!r}")
+    print(h.summary(ttft_s=ttft, tokens_per_s=rate, read_gbs=read_rate(args, cuda)))
+    if cuda:
+        print(f"torch.cuda.max_memory_allocated: {torch.cuda.max_memory_allocated() / MiB:.1f} MiB")
     if resident is not None:
         same = torch.equal(resident["tokens"], toks.cpu())
+        memory = f"VRAM peak {resident['peak'] / MiB:.1f} MiB" if cuda else f"weights in RAM {resident['peak'] / MiB:.1f} MiB"
         print(
             f"resident: time to first token {resident['ttft'] * 1e3:.1f} ms, decode {resident['rate']:.2f} tokens/s, "
-            f"VRAM peak {resident['peak'] / MiB:.1f} MiB; tokens {'identical' if same else 'DIFFER'}"
+            f"{memory}; tokens {'identical' if same else 'DIFFER'}"
         )
         if not same:
             raise SystemExit(1)

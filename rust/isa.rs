@@ -21,8 +21,8 @@ pub const LANES: usize = 16;
 pub type Block = [f32; LANES];
 
 /// The CPU features of each x86 path, written once: the run-time check ([`Simd::supported`])
-/// and the `#[target_feature]` of the kernel's code paths (`kernel/path.rs`) are both made from
-/// this table. `simd_features!(Avx512, m!(args))` expands to `m!(args "avx2" "fma" ...)`: a
+/// and the `#[target_feature]` of the code paths (the kernel's, `kernel/path.rs`; the linear
+/// kernel's, `linear/tile.rs`) are all made from this table. `simd_features!(Avx512, m!(args))` expands to `m!(args "avx2" "fma" ...)`: a
 /// path's features are its base path's and its own.
 macro_rules! simd_features {
     (Avx2, $m:ident!($($a:tt)*)) => { $m! { $($a)* "avx2" "fma" "f16c" } };

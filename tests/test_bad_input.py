@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 from collections.abc import Iterator
@@ -350,6 +351,72 @@ def test_offload_weights_refuses_unbounded_and_mistyped_arguments_by_name(
     with pytest.raises(exc, match=match):
         offload_weights(model, device="cpu", **kw)
     _assert_model_unchanged(model, before)
+
+
+# -- arguments a configuration ignores (issue 37, point 5) ------------------------------------
+
+
+def test_a_gpu_budget_with_the_cpu_as_the_device_is_refused_naming_it(nvme_dir: str) -> None:
+    """device="cpu" runs every block on the CPU: a GPU budget there would be ignored, and the
+    caller expected an effect (it was accepted, and the budget dropped): refused, naming it,
+    before the model changes, for both storages."""
+    from offload_adam import offload_weights
+
+    model = _Layers()
+    before = _model_snapshot(model)
+    for kw in ({}, {"storage": "nvme", "nvme_dir": nvme_dir}):
+        with pytest.raises(ValueError, match=r"gpu_budget_gb=1\.0 would be ignored: the model runs on the CPU"):
+            offload_weights(model, device="cpu", gpu_budget_gb=1, **kw)
+    _assert_model_unchanged(model, before)
+
+
+@pytest.mark.parametrize("kw, on_device, match", [
+    ({"device": "cpu", "placement": "auto"}, False, r"placement='auto' is ignored: the model runs on the CPU"),
+    ({"device": "cpu", "prefetch": 5}, False, r"prefetch=5 is ignored: device='cpu' with storage='cpu' keeps every block in RAM"),
+    ({"placement": "stream", "native_matmul": True}, True, r"native_matmul=True is ignored: with placement='stream' on a GPU"),
+    ({"placement": "cpu", "cost_model": "model"}, True, r"cost_model=.* is ignored: only placement='auto' on a GPU"),
+])  # fmt: skip
+def test_harmless_ignored_arguments_are_warned_of_naming_them(kw: dict[str, Any], on_device: bool, match: str) -> None:
+    """What changes nothing where it is given is accepted with a warning that names it; the
+    offload then works as without it."""
+    from offload_adam import offload_weights, testing
+    from offload_adam.runtime import costs
+
+    if kw.get("cost_model") == "model":
+        kw = {**kw, "cost_model": costs.CostModel()}
+    model = _Layers()
+    x = torch.randn(2, 32)
+    want = model(x)
+    with contextlib.ExitStack() as stack:
+        if on_device:
+            stack.enter_context(testing.simulated_device(max_delay_s=0.0))
+        with pytest.warns(UserWarning, match=match):
+            h = offload_weights(model, **kw)
+        try:
+            got = model(x.to(h.device.torch_device) if on_device else x).cpu()
+        finally:
+            h.close()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kw", [
+    {"device": "cpu"}, {"device": "cpu", "placement": "cpu", "prefetch": 2}, {"device": "cpu", "native_matmul": False},
+    {"placement": "auto", "native_matmul": True}, {"placement": "stream", "native_matmul": False}, {"gpu_budget_gb": 1},
+])  # fmt: skip
+def test_arguments_that_apply_are_taken_without_a_word(kw: dict[str, Any]) -> None:
+    """The rules name only what a configuration ignores: an argument at its default, or one
+    that has an effect there, gives no warning."""
+    import warnings
+
+    from offload_adam import offload_weights, testing
+
+    model = _Layers()
+    with contextlib.ExitStack() as stack:
+        if kw.get("device") != "cpu":
+            stack.enter_context(testing.simulated_device(max_delay_s=0.0))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            offload_weights(model, **kw).close()
 
 
 @pytest.mark.parametrize("kw, exc, match", [

@@ -182,3 +182,42 @@ def test_calibrate_says_what_it_measured_and_stores_only_a_quiet_measurement(
     assert calibration.measurements() == [quiet]
     assert main(["env"]) == 0
     assert f"calibration: {calibration.path()}: cpu_matmul_gflops, host_read_gbs {quiet.describe()}" in capsys.readouterr().out
+
+
+def test_calibrate_says_what_it_measures_as_it_goes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """calibrate printed nothing until its figures (a minute for the full run): each measurement
+    is now said on stderr before it runs, and its result after; stdout keeps the figures."""
+    from offload_adam.runtime import costs
+
+    monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(costs, "host_read_rates", lambda nbytes, rounds: [10.0, 11.0])
+    monkeypatch.setattr(costs, "cpu_matmul_rates", lambda dt, rows, d, rounds: [5.0, 5.0])
+    assert main(["calibrate", "--quick", "--dry-run"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[:2] == ["measuring the host memory's read bandwidth (128 MiB, 5 rounds) ...", "  11.00 GB/s (best of 2, spread 5%)"]
+    assert "measuring the CPU's bfloat16 matmul of 1 row by 2048x2048 (5 rounds) ..." in err
+    assert "measuring the CPU's float32 matmul of 64 rows by 2048x2048 (5 rounds) ..." in err
+
+
+def test_bench_charts_draws_the_json_of_a_bench_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench-charts draws the speedups and the step times of the bench's JSON into PNGs; a file
+    that is not a bench's JSON is refused naming it."""
+    pytest.importorskip("matplotlib")
+    run = [
+        {"case": "4000 tensors x 10k fp32", "params": 40_000_000, "rounds": 3, "baseline": "torch AdamW(fused=True)", "speedup": 1.83,
+         "offload_adam": {"median_s": 0.0283, "ratio_peer_over_ours": 1.0},
+         "torch AdamW(fused=True)": {"median_s": 0.0519, "ratio_peer_over_ours": 1.83}},
+        {"case": "1 tensor x 100M fp32", "params": 100_000_000, "rounds": 3, "baseline": "torch AdamW(fused=True)", "speedup": 0.99,
+         "offload_adam": {"median_s": 0.0626, "ratio_peer_over_ours": 1.0},
+         "torch AdamW(fused=True)": {"median_s": 0.0616, "ratio_peer_over_ours": 0.99}},
+    ]  # fmt: skip
+    (tmp_path / "b.json").write_text(json.dumps(run))
+    assert main(["bench-charts", str(tmp_path / "b.json"), "--out", str(tmp_path / "img")]) == 0
+    out = capsys.readouterr().out
+    for name in ("bench-speedup.png", "bench-times.png"):
+        png = tmp_path / "img" / name
+        assert f"wrote {png}" in out and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
+    (tmp_path / "bad.json").write_text(json.dumps({"read_path": {}}))
+    assert main(["bench-charts", str(tmp_path / "bad.json"), "--out", str(tmp_path / "img2")]) == 1
+    assert "not the JSON of python -m offload_adam bench --json" in capsys.readouterr().err
+    assert not (tmp_path / "img2").exists()

@@ -193,8 +193,8 @@ def test_readme_is_a_portal_in_the_agreed_order() -> None:
     assert "pip install ." in install and "pip install dist/offload_adam-*.whl" in install
     assert "make demo" in install and "make test" in install and "3.10" in install and "2.15.0" in install
     quick = text[text.index("## Quickstart") : text.index("## Which offload")]
-    assert quick.count("```python") == 3  # the three quickstart snippets
-    assert text.count("```python") == 4  # and the quantized weights' one call (issue 24: the README shows it)
+    assert quick.count("```python") == 4  # the four quickstart snippets (the fourth: the machine without a GPU, issue 37)
+    assert text.count("```python") == 5  # and the quantized weights' one call (issue 24: the README shows it)
     assert "python -m offload_adam plan" in text
     # every relative link points at a file of the repository
     for target in re.findall(r"\]\(([^)#:]+)\)", text):

@@ -12,6 +12,7 @@ COMMANDS = {
     "env": ("env", "this machine as a bug report needs it: SIMD path, I/O backend, torch and CUDA, memlock, pinned memory"),
     "calibrate": ("calibrate", "measures this machine's bandwidths and matmul rates for placement='auto' and plan"),
     "bench": ("bench", "the same-process benchmark against torch and the peers (--nvme, --weights, --fsdp2, ...)"),
+    "bench-charts": ("bench_charts", "the charts of a bench run (PNGs) from the JSON bench --json wrote"),
 }
 
 

@@ -10,7 +10,8 @@
 //! bits, so that every path (portable, AVX2, AVX-512, NEON) computes them lane by lane in
 //! registers: no table, no gather.
 
-use super::q8::{absmax, Codec, QBLOCK};
+use super::q8::{absmax, Codec};
+use super::segment::QBLOCK;
 use crate::isa::{Isa, LANES};
 
 /// e4m3fn's largest finite value.

@@ -21,13 +21,11 @@ use std::sync::OnceLock;
 
 use super::float::{kahan_add, out_block, BlockIo, PREFETCH_BLOCKS};
 use super::maps;
-use super::segment::{nan_max, Consts, Kahan, OutMut, Q8Mut};
+use super::segment::{nan_max, Consts, Kahan, OutMut, Q8Mut, QBLOCK};
 use crate::elem::Bf16;
 use crate::elem::Elem;
 use crate::isa::{Block, Generic, Isa, LANES};
 
-/// Elements per quantization block (torchao's `block_size` for 8 bits).
-pub const QBLOCK: usize = 256;
 /// torchao (after bitsandbytes) quantizes a tensor's moments only from this many elements, and
 /// only if they divide into blocks; other tensors keep unquantized moments.
 pub const MIN_NUMEL: usize = 4096;

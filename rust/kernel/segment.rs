@@ -2,9 +2,12 @@
 //! tensor's slices (`Segment`: weights, gradient, moments in their codec, the copy or the Kahan
 //! weights), validated before anything runs.
 
-use super::q8;
 use crate::elem::{Bf16, F16};
 use crate::error::{Error, Result};
+
+/// Elements per quantization block of a block-quantized moment (torchao's `block_size` for
+/// 8 bits): one absmax (the fp8 codec: one scale) per block, chunks cut on whole blocks.
+pub const QBLOCK: usize = 256;
 
 /// Hyper-parameters of one update, as torch's param group holds them.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -134,13 +137,13 @@ pub enum GradRef<'a> {
 pub enum StateMut<'a> {
     F32(&'a mut [f32]),
     Bf16(&'a mut [Bf16]),
-    /// Block-quantized ([`q8`]): one code per element, one absmax per [`q8::QBLOCK`] elements.
+    /// Block-quantized ([`super::q8`]): one code per element, one absmax per [`QBLOCK`] elements.
     Q8 {
         codes: &'a mut [u8],
         absmax: &'a mut [f32],
     },
     /// Block-quantized to float8_e4m3fn ([`super::fp8`]): one code per element, one scale per
-    /// [`q8::QBLOCK`] elements.
+    /// [`QBLOCK`] elements.
     Fp8 {
         codes: &'a mut [u8],
         scale: &'a mut [f32],
@@ -214,19 +217,19 @@ impl<'a> StateMut<'a> {
     /// A quantized moment's length and absmax agree (whole blocks).
     pub(super) fn check_q8(&self, what: &str) -> Result<()> {
         if let StateMut::Q8 { codes, absmax } | StateMut::Fp8 { codes, scale: absmax } = self {
-            if !codes.len().is_multiple_of(q8::QBLOCK) || absmax.len() != codes.len() / q8::QBLOCK {
+            if !codes.len().is_multiple_of(QBLOCK) || absmax.len() != codes.len() / QBLOCK {
                 return Err(Error::Value(format!(
                     "{what}: {} codes need {} absmax/scale values, got {} (whole blocks of {})",
                     codes.len(),
-                    codes.len() / q8::QBLOCK,
+                    codes.len() / QBLOCK,
                     absmax.len(),
-                    q8::QBLOCK
+                    QBLOCK
                 )));
             }
         }
         Ok(())
     }
-    /// `mid` is a multiple of [`q8::QBLOCK`] for a quantized moment (chunks are).
+    /// `mid` is a multiple of [`QBLOCK`] for a quantized moment (chunks are).
     pub(super) fn split_at(self, mid: usize) -> (Self, Self) {
         match self {
             StateMut::F32(s) => {
@@ -238,18 +241,18 @@ impl<'a> StateMut<'a> {
                 (StateMut::Bf16(a), StateMut::Bf16(b))
             }
             StateMut::Q8 { codes, absmax } => {
-                debug_assert_eq!(mid % q8::QBLOCK, 0);
+                debug_assert_eq!(mid % QBLOCK, 0);
                 let (c0, c1) = codes.split_at_mut(mid);
-                let (a0, a1) = absmax.split_at_mut(mid / q8::QBLOCK);
+                let (a0, a1) = absmax.split_at_mut(mid / QBLOCK);
                 (
                     StateMut::Q8 { codes: c0, absmax: a0 },
                     StateMut::Q8 { codes: c1, absmax: a1 },
                 )
             }
             StateMut::Fp8 { codes, scale } => {
-                debug_assert_eq!(mid % q8::QBLOCK, 0);
+                debug_assert_eq!(mid % QBLOCK, 0);
                 let (c0, c1) = codes.split_at_mut(mid);
-                let (a0, a1) = scale.split_at_mut(mid / q8::QBLOCK);
+                let (a0, a1) = scale.split_at_mut(mid / QBLOCK);
                 (
                     StateMut::Fp8 { codes: c0, scale: a0 },
                     StateMut::Fp8 { codes: c1, scale: a1 },

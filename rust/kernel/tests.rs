@@ -2,7 +2,7 @@
 
 use super::{
     accumulate, adam_step, fp8, grad_sq_norm, grads_nonfinite, q8, Consts, GradRef, HostMut, Hyper, Kahan, OutMut,
-    Segment, StateMut, CHUNK,
+    Segment, StateMut, CHUNK, QBLOCK,
 };
 use crate::elem::{Bf16, Elem, F16};
 use crate::isa::Simd;
@@ -446,7 +446,7 @@ impl Q8Bufs {
     fn new(n: usize, seed: u64) -> Q8Bufs {
         let mut r = Rng(seed | 1);
         let p = r.vec(n, 1.0);
-        let b = n / q8::QBLOCK;
+        let b = n / QBLOCK;
         Q8Bufs {
             o: p.iter().map(|x| Bf16::from_f32(*x)).collect(),
             p,
@@ -688,7 +688,7 @@ fn run_kahan(
     let mut w: Vec<Bf16> = r.vec(n, 1.0).iter().map(|x| Bf16::from_f32(*x)).collect();
     let mut comp = vec![Bf16::default(); n];
     let (mut m, mut v, mut x) = (vec![0.0f32; n], vec![0.0f32; n], vec![0.0f32; n]);
-    let b = n / q8::QBLOCK;
+    let b = n / QBLOCK;
     let (mut mc, mut vc, mut xc) = (vec![0u8; n], vec![0u8; n], vec![0u8; n]);
     let (mut ms, mut vs, mut xs) = (vec![0.0f32; b], vec![0.0f32; b], vec![0.0f32; b]);
     let pool = crate::pool::get(threads).unwrap();

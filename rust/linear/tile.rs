@@ -14,6 +14,8 @@ use super::vector::{Avx2, Avx512};
 use super::vector::{Portable, Vector};
 use super::{finish, Act, Job, LinearPath, OutBlock, Shape, Weight};
 use crate::elem::Bf16;
+#[cfg(target_arch = "x86_64")]
+use crate::isa::simd_features;
 
 /// How one stored format is read by lanes `V`.
 ///
@@ -263,8 +265,10 @@ unsafe fn block_float<V: Vector>(job: &Job<'_>, prep: &Prepared, o0: usize, out:
     }
 }
 
+/// A path: [`block_float`] on lanes `$v`, compiled with `$features` (from `isa.rs`'s table,
+/// `simd_features!`).
 macro_rules! path {
-    ($name:ident, $v:ty $(, $features:literal)?) => {
+    ($name:ident, $v:ty, $($features:tt)*) => {
         pub(crate) struct $name;
         impl LinearPath for $name {
             type Prepared = Prepared;
@@ -272,7 +276,7 @@ macro_rules! path {
                 prepare_float::<$v>(job)
             }
             unsafe fn block(job: &Job<'_>, prep: &Prepared, o0: usize, out: &mut OutBlock<'_>) {
-                $(#[target_feature(enable = $features)])?
+                $(#[target_feature(enable = $features)])*
                 unsafe fn f(job: &Job<'_>, prep: &Prepared, o0: usize, out: &mut OutBlock<'_>) {
                     // SAFETY: forwarded contract (the CPU runs this path).
                     unsafe { block_float::<$v>(job, prep, o0, out) }
@@ -284,11 +288,11 @@ macro_rules! path {
     };
 }
 
-path!(PortablePath, Portable);
+path!(PortablePath, Portable,);
 #[cfg(target_arch = "x86_64")]
-path!(Avx2Path, Avx2, "avx2,fma,f16c");
+simd_features!(Avx2, path!(Avx2Path, Avx2,));
 #[cfg(target_arch = "x86_64")]
-path!(Avx512Path, Avx512, "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c");
+simd_features!(Avx512, path!(Avx512Path, Avx512,));
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) use bf16dot::Avx512Bf16Path;
@@ -299,6 +303,7 @@ mod bf16dot {
 
     use super::{block_body, block_float, prepare, prepare_float, Format, Prepared};
     use crate::elem::Bf16;
+    use crate::isa::simd_features;
     use crate::linear::vector::Avx512;
     use crate::linear::{Act, Job, LinearPath, OutBlock, Weight};
 
@@ -360,8 +365,18 @@ mod bf16dot {
             }
         }
         unsafe fn block(job: &Job<'_>, prep: &Prepared, o0: usize, out: &mut OutBlock<'_>) {
-            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c")]
-            unsafe fn f(job: &Job<'_>, prep: &Prepared, o0: usize, out: &mut OutBlock<'_>) {
+            // SAFETY: forwarded contract (the CPU runs this path).
+            unsafe { block_bf16(job, prep, o0, out) }
+        }
+    }
+
+    /// [`Avx512Bf16Path`]'s block, compiled with the features of `isa.rs`'s table.
+    macro_rules! block_bf16 {
+        ($($features:tt)*) => {
+            /// # Safety
+            /// As for [`LinearPath::block`].
+            $(#[target_feature(enable = $features)])*
+            unsafe fn block_bf16(job: &Job<'_>, prep: &Prepared, o0: usize, out: &mut OutBlock<'_>) {
                 // SAFETY: forwarded contract (the CPU runs this path).
                 unsafe {
                     match job.w {
@@ -370,8 +385,7 @@ mod bf16dot {
                     }
                 }
             }
-            // SAFETY: as above.
-            unsafe { f(job, prep, o0, out) }
-        }
+        };
     }
+    simd_features!(Avx512Bf16, block_bf16!());
 }

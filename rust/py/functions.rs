@@ -250,11 +250,11 @@ fn codec_buffers(tensors: [(&Bound<'_, PyAny>, &str, DType); 3]) -> PyResult<Wri
 }
 
 fn check_blocks(n: usize, codes: usize, absmax: usize) -> PyResult<()> {
-    if !n.is_multiple_of(q8::QBLOCK) || codes != n || absmax != n / q8::QBLOCK {
+    if !n.is_multiple_of(kernel::QBLOCK) || codes != n || absmax != n / kernel::QBLOCK {
         return Err(value_error(format!(
             "codes and absmax: {n} elements need {n} codes and {} absmax values (whole blocks of {}), got {codes} and {absmax}",
-            n / q8::QBLOCK,
-            q8::QBLOCK
+            n / kernel::QBLOCK,
+            kernel::QBLOCK
         )));
     }
     Ok(())

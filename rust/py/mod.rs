@@ -2,8 +2,9 @@
 //!
 //! `dlpack` imports torch tensors and is the one place where their memory becomes Rust slices;
 //! `convert` maps core errors, SIMD names, thread counts and hyper-parameters; `state_set` is
-//! the host state of a param group and the step; `functions` the module-level functions; `io`
-//! the NVMe tier's I/O engine; `linear` the matmul of a few rows against stored weights.
+//! the host state of a param group and `step` the step over any number of them (as `kernel/`
+//! has its segments and its step); `functions` the module-level functions; `io` the NVMe tier's
+//! I/O engine; `linear` the matmul of a few rows against stored weights.
 
 mod convert;
 mod dlpack;
@@ -11,13 +12,14 @@ mod functions;
 mod io;
 mod linear;
 mod state_set;
+mod step;
 
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<state_set::StateSet>()?;
-    m.add_function(wrap_pyfunction!(state_set::adam_step, m)?)?;
+    m.add_function(wrap_pyfunction!(step::adam_step, m)?)?;
     m.add_function(wrap_pyfunction!(functions::adam_update, m)?)?;
     m.add_function(wrap_pyfunction!(functions::grad_accumulate, m)?)?;
     m.add_function(wrap_pyfunction!(functions::grad_sq_norm, m)?)?;
@@ -35,7 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<io::MemoryWindow>()?;
     m.add("CHUNK", crate::kernel::CHUNK)?;
     m.add("LANES", crate::isa::LANES)?;
-    m.add("QBLOCK", crate::kernel::q8::QBLOCK)?;
+    m.add("QBLOCK", crate::kernel::QBLOCK)?;
     m.add("Q8_MIN_NUMEL", crate::kernel::q8::MIN_NUMEL)?;
     Ok(())
 }

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 from .. import _native
 from ..runtime import checks
 from ..runtime.device import device_for
-from . import ddp, state_io
+from . import ddp, state_io, summary
 from .engine import Engine
 from .hyper import check_init, hyper, to_scalar
 from .schema import STATE_DTYPES
@@ -583,6 +583,18 @@ class Adam(Optimizer):
         if tier:
             out.update(tier)
         return out
+
+    def __repr__(self) -> str:
+        if "_engine" not in self.__dict__ or "param_groups" not in self.__dict__:  # (a set-up that failed half-way)
+            return f"<{type(self).__name__}: not set up>"
+        return summary.describe(self)  # (optim/summary.py)
+
+    def summary(self) -> str:
+        """The optimizer in words, a line per subject: its parameters and where they are, the
+        state's dtypes (moments, master weights), the bytes of each tier it uses (RAM, the GPU
+        where it has parameters there, NVMe with ``storage="nvme"``), the step's options
+        (``optim/summary.py``)."""
+        return summary.summary(self)
 
     @property
     def last_step_stats(self) -> dict[str, float]:

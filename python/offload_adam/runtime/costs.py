@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -203,29 +203,51 @@ def pcie_h2d_gbs(device: torch.device, nbytes: int = 256 << 20, rounds: int = 5)
 
 def measure(
     *, nvme_dir: str | None = None, dtypes: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float32), quick: bool = False,
-    by: str = "python -m offload_adam calibrate", rounds: int = 5,
+    by: str = "python -m offload_adam calibrate", rounds: int = 5, say: Callable[[str], None] | None = None,
 ) -> calibration.Measurement:  # fmt: skip
     """This machine's figures (see the module documentation), each the best of ``rounds``
     repeats, with when, on which CPU and under what load they were measured (the 1-minute load
-    average as it began: ``os.getloadavg``); ``quick``: smaller buffers; ``by``: who measured."""
+    average as it began: ``os.getloadavg``); ``quick``: smaller buffers; ``by``: who measured;
+    ``say``: told what is measured before each measurement and its result after (``calibrate``
+    prints it: the full run takes a minute and said nothing meanwhile)."""
     from .. import __version__
 
     load = os.getloadavg()[0]
     spreads: list[float] = []
 
-    def best(rates: list[float]) -> float:
+    def best(what: str, unit: str, measure: Callable[[], list[float]]) -> float:
+        if say is not None:
+            say(f"measuring {what} ...")
+        rates = measure()
         spreads.append(calibration.spread(rates))
+        if say is not None:
+            say(f"  {max(rates):.2f} {unit} (best of {len(rates)}, spread {calibration.spread(rates):.0%})")
         return max(rates)
 
-    out: dict[str, Any] = {"host_read_gbs": best(host_read_rates(128 << 20 if quick else 512 << 20, rounds))}
+    mib = 128 if quick else 512
+    out: dict[str, Any] = {
+        "host_read_gbs": best(f"the host memory's read bandwidth ({mib} MiB, {rounds} rounds)", "GB/s", lambda: host_read_rates(mib << 20, rounds))
+    }
     d = 2048 if quick else 4096
     out[MATMUL] = {
-        str(dt).removeprefix("torch."): {str(r): best(cpu_matmul_rates(dt, r, d, rounds)) for r in (1, 64)} for dt in dtypes
-    }
+        str(dt).removeprefix("torch."): {
+            str(r): best(
+                f"the CPU's {str(dt).removeprefix('torch.')} matmul of {r} row{'s' if r > 1 else ''} by {d}x{d} ({rounds} rounds)",
+                "GFLOP/s", lambda dt=dt, r=r: cpu_matmul_rates(dt, r, d, rounds),  # type: ignore[misc]
+            )
+            for r in (1, 64)
+        }
+        for dt in dtypes
+    }  # fmt: skip
     if nvme_dir is not None:
-        out["disk_read_gbs"] = best(disk_read_rates(nvme_dir, (256 << 20) if quick else (1 << 30)))
+        size = (256 << 20) if quick else (1 << 30)
+        out["disk_read_gbs"] = best(
+            f"the SSD's O_DIRECT read rate (a {size >> 20} MiB file under {nvme_dir}, removed after)", "GB/s",
+            lambda: disk_read_rates(nvme_dir, size),
+        )  # fmt: skip
     if torch.cuda.is_available():
-        out["pcie_h2d_gbs"] = best(pcie_h2d_rates(torch.device("cuda", torch.cuda.current_device()), rounds=rounds))
+        cuda = torch.device("cuda", torch.cuda.current_device())
+        out["pcie_h2d_gbs"] = best("PCIe host to device (pinned copies)", "GB/s", lambda: pcie_h2d_rates(cuda, rounds=rounds))
     return calibration.Measurement(
         figures=out, time=calibration.now(), cpu=calibration.cpu_model(), cores=os.cpu_count() or 1, load_avg=load,
         spread=max(spreads), repeats=rounds, by=by, version=__version__,

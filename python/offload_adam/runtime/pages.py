@@ -265,16 +265,18 @@ class RunDir:
 class IoStats:
     """Bytes read and written, and host time waiting for the disk (a CRC check included)."""
 
-    read_bytes: float = 0.0
-    write_bytes: float = 0.0
+    read_bytes: int = 0
+    write_bytes: int = 0
     io_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
-        return {f.name: float(getattr(self, f.name)) for f in fields(self)}
+        """The counts (bytes as ints: ``read_bytes`` was a float, 2567696384.0, in reports
+        whose other byte counts are ints) and the time."""
+        return {f.name: int(getattr(self, f.name)) if f.name.endswith("_bytes") else float(getattr(self, f.name)) for f in fields(self)}
 
     def reset(self) -> None:
         for f in fields(self):
-            setattr(self, f.name, 0.0)
+            setattr(self, f.name, 0 if f.name.endswith("_bytes") else 0.0)
 
 
 def _check_read(ticket: Any, view: Tensor, crc: int | None) -> bool:

@@ -34,7 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller buffers: a second or two, less exact")
     ap.add_argument("--dry-run", action="store_true", help="print the figures without storing them")
     args = ap.parse_args(argv)
-    m = costs.measure(nvme_dir=args.nvme_dir, dtypes=(torch.bfloat16, torch.float32), quick=args.quick)
+    m = costs.measure(
+        nvme_dir=args.nvme_dir, dtypes=(torch.bfloat16, torch.float32), quick=args.quick,
+        say=lambda line: print(line, file=sys.stderr, flush=True),  # (as it goes; the figures on stdout at the end)
+    )  # fmt: skip
     print(json.dumps(m.figures, indent=2, sort_keys=True))
     print(m.describe())
     model = costs.CostModel.from_calibration(m.figures)

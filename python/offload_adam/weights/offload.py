@@ -20,6 +20,7 @@ from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, de
 from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
+from . import arguments, progress, summary
 from .blocks import Block, Entry, find_blocks, wrapped
 from .checkpoint import Checkpoint
 from .loader import placeholders
@@ -298,7 +299,7 @@ class WeightOffload:
         block; the others' tensors are kept until the offload is complete (the host holds them
         anyway: they go to NVMe or the GPU)."""
         dev = self.device
-        for b in self.blocks:
+        for b in progress.blocks(self.blocks, len(self.blocks), "offload_weights: filling blocks"):  # (a bar on a terminal, past 3 s)
             resident = b.index in self.resident
             dst = torch.empty(b.nbytes, dtype=torch.uint8) if resident else self.source.staging(b)
             if ck is not None:
@@ -393,7 +394,7 @@ class WeightOffload:
             "h2d_bytes": st.stats["h2d_bytes"],
             "h2d_s": h2d_s,
             "stall_s": stall_s,
-            "passes": st.stats["passes"],
+            "passes": max(st.stats["passes"], self.placer.forwards()),  # (the streamer counts training's cycles only)
             "loads": st.stats["loads"],
             "on_demand_loads": st.stats["on_demand"],
             "calls": {ph: dict(c) for ph, c in self.placer.counts.items()},
@@ -407,6 +408,25 @@ class WeightOffload:
         }
         out.update(self.source.io_stats())
         return out
+
+    def __repr__(self) -> str:
+        return summary.describe(self.report(), self.closed)  # (weights/summary.py)
+
+    def summary(self, *, ttft_s: float | None = None, tokens_per_s: float | None = None, read_gbs: float | None = None) -> str:
+        """The account of :meth:`report` in words, a line per subject: storage, device, placement
+        and blocks; VRAM (with a device), RAM, NVMe and page cache; bytes per forward and waits
+        (since :meth:`reset_stats`, once a forward ran); the caller's timings where given; block
+        calls per phase (once there were any); the bound (forwards/s the bytes per forward allow).
+        Figures that do not apply are left out (``weights/summary.py``).
+
+        Args:
+            ttft_s: the caller's time to first token, in seconds (default: None, not shown).
+            tokens_per_s: the caller's decode rate (default: None, not shown).
+            read_gbs: with the CPU as the device, the SSD's read rate in GB/s the bound divides
+                (default: None, this machine's calibration's; without one the bound says so). On a
+                device the bound is the measured host-to-device bandwidth of this run's copies.
+        """
+        return summary.summary(self.report(), ttft_s=ttft_s, tokens_per_s=tokens_per_s, read_gbs=read_gbs)
 
     def reset_stats(self) -> None:
         """Starts the counters of ``report()`` (bytes moved, times, loads, calls) afresh."""
@@ -647,6 +667,11 @@ def offload_weights(
     if cost_model is not None and not isinstance(cost_model, costs.CostModel):
         raise TypeError(f"cost_model must be an offload_adam.runtime.costs.CostModel, got {type(cost_model).__name__}")
     _check_model(model, checkpoint)
+    dev = _run_device(device)
+    arguments.check(  # what this configuration would ignore: refused or warned, naming it (weights/arguments.py)
+        on_host=isinstance(dev, HostDevice), storage=storage, gpu_budget_gb=gpu_budget_gb, placement=placement,
+        cost_model=cost_model, native_matmul=native_matmul, prefetch=prefetch,
+    )  # fmt: skip
     if checkpoint is not None:
         # Its type (a TypeError naming checkpoint) and every file's header, checked before anything
         # changes: tie_weights() and quantize= act on the model before the offload reads it.
@@ -678,7 +703,6 @@ def offload_weights(
             raise ValueError(f"resident: parameters kept on the device need placement='stream' (a block run on the CPU reads them), got {placement!r}")
         keep = frozenset(id(p) for _, p in kept)
     quantize_fn = quantizer(quantize) if quantize is not None else None
-    dev = _run_device(device)
     return WeightOffload(
         model, dev, storage=storage, nvme_dir=nvme_dir, checkpoint=checkpoint, gpu_budget_gb=gpu_budget_gb,
         prefetch=prefetch, blocks=list(blocks) if blocks is not None else None, placement=placement,

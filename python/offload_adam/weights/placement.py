@@ -85,6 +85,14 @@ class Placer:
 
     def reset_stats(self) -> None:
         self.counts: dict[str, dict[str, int]] = {"prompt": {"stream": 0, "cpu": 0}, "decode": {"stream": 0, "cpu": 0}}
+        self.per_block: dict[int, int] = {}
+
+    def forwards(self) -> int:
+        """The forwards since :meth:`reset_stats` as the calls show them: the fewest calls of a
+        block that ran (each forward calls each block once, a block holding a tied embedding and
+        head twice). The streamer counts a cycle where a backward ends it, never at inference:
+        ``report()``'s ``passes`` read 0 there ("over 0 forwards") and is the larger of the two."""
+        return min(self.per_block.values(), default=0)
 
     def decide(
         self, b: int, module: torch.nn.Module, args: Any, training: bool, kwargs: dict[str, Any] | None = None
@@ -102,6 +110,7 @@ class Placer:
         else:
             where = self.mode
         self.counts["prompt" if seq > 1 else "decode"][where] += 1
+        self.per_block[b] = self.per_block.get(b, 0) + 1
         self.last[b] = where
         return where
 

@@ -12,7 +12,9 @@ SHAPES = [(7, 13), (1,), (129,), (3, 5, 7), (0,), (64, 33)]
 
 
 def make_params(shapes: list[tuple[int, ...]] = SHAPES, dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:
-    return [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    """Parameters on the simulated device inside ``simulated_device()`` (as a user's on "cuda"),
+    on the CPU outside."""
+    return [torch.nn.Parameter(to_device(torch.randn(s).to(dtype))) for s in shapes]
 
 
 def clone_params(ps: list[torch.nn.Parameter], dtype: torch.dtype | None = None) -> list[torch.nn.Parameter]:
@@ -48,8 +50,8 @@ def run_twins(
                 q.grad = None
                 continue
             g = (torch.randn(p.shape) * grad_scale).to(p.dtype)  # both see the same (rounded) values
-            p.grad = g
-            q.grad = g.to(q.dtype)
+            p.grad = g.to(p.device)
+            q.grad = g.to(q.device, q.dtype)
         ours.step()
         ref.step()
         if after_step is not None:
@@ -59,7 +61,7 @@ def run_twins(
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
-    return (a.detach().double() - b.detach().double()).abs().max().item()
+    return (a.detach().cpu().double() - b.detach().cpu().double()).abs().max().item()
 
 
 def assert_state_close(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer, ps: list, qs: list, rtol: float = 1e-4) -> None:
@@ -74,7 +76,7 @@ def assert_state_close(ours: torch.optim.Optimizer, ref: torch.optim.Optimizer, 
                 # rtol as the issue states; the atol (1e-6 of the moments' typical size) only
                 # covers elements that cross zero, where an ulp of the terms is all there is.
                 atol = 1e-7 if k == "exp_avg" else 1e-10
-                torch.testing.assert_close(sp[k].double(), sq[k].double(), rtol=rtol, atol=atol)
+                torch.testing.assert_close(sp[k].cpu().double(), sq[k].cpu().double(), rtol=rtol, atol=atol)
 
 
 def deep(sd: dict[str, Any]) -> dict[str, Any]:
@@ -82,13 +84,15 @@ def deep(sd: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_device(x: Any) -> Any:
-    """What a user does with ``.to("cuda")``: tensors (in lists, tuples, dicts) to the simulated
-    device of the innermost ``simulated_device()``; unchanged outside one."""
+    """What a user does with ``.to("cuda")``: a module, or tensors (in lists, tuples, dicts), to
+    the simulated device of the innermost ``simulated_device()``; unchanged outside one."""
     from offload_adam import testing
 
     dev = testing.active_device()
     if dev is None:
         return x
+    if isinstance(x, torch.nn.Module):
+        return x.to(dev.torch_device)
     return torch.utils._pytree.tree_map(lambda t: t.to(dev.torch_device) if isinstance(t, torch.Tensor) else t, x)
 
 

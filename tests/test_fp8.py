@@ -266,22 +266,22 @@ def test_offloaded_and_nvme_fp8_moments_step_as_cpu_ones(tmp_path: Any) -> None:
     ref = AdamW(cpu, lr=1e-3, state_dtype=FP8, amsgrad=True)
     nv = [p.clone().requires_grad_() for p in init]
     nvme = AdamW(nv, lr=1e-3, state_dtype=FP8, amsgrad=True, offload="nvme", nvme_dir=tmp_path, bucket_mb=0.02)
-    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.001) as dev:
-        off = [p.clone().requires_grad_() for p in init]
+    with testing.simulated_device(seed=1, max_delay_s=0.001) as dev:
+        off = [p.detach().to(dev.torch_device).requires_grad_() for p in init]  # on the simulated device
         opt = AdamW(off, lr=1e-3, state_dtype=FP8, amsgrad=True, bucket_mb=0.01)
         g = torch.Generator().manual_seed(9)
         for _ in range(6):
             grads = [torch.randn(p.shape, generator=g) for p in init]
             for ps in (cpu, off, nv):
                 for p, gr in zip(ps, grads):
-                    p.grad = gr.clone()
+                    p.grad = gr.to(p.device, copy=True)
             ref.step()
             opt.step()
             nvme.step()
         opt.synchronize()
         paged = nvme.state_dict()["state"]  # the NVMe tier's state, read back from its pages
         for i, (p, q, r) in enumerate(zip(cpu, off, nv)):
-            assert same(p, q) and same(p, r)
+            assert same(p, q.cpu()) and same(p, r)
             for k, v in ref.state[p].items():
                 if k != "master_param":
                     assert same(v, opt.state[q][k]) and same(v, paged[i][k]), k

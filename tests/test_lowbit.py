@@ -301,20 +301,20 @@ def test_offloaded_parameters_step_as_cpu_ones_with_uint8_moments() -> None:
     init = _params(SHAPES[:4])
     cpu = [p.clone().requires_grad_() for p in init]
     ref = AdamW(cpu, lr=1e-3, state_dtype=torch.uint8, amsgrad=True)
-    with testing.simulated_device(host_memory=True, seed=1, max_delay_s=0.001) as dev:
-        off = [p.clone().requires_grad_() for p in init]  # streamed through the simulated device
+    with testing.simulated_device(seed=1, max_delay_s=0.001) as dev:
+        off = [p.detach().to(dev.torch_device).requires_grad_() for p in init]  # on the simulated device
         opt = AdamW(off, lr=1e-3, state_dtype=torch.uint8, amsgrad=True, bucket_mb=0.01)
         g = torch.Generator().manual_seed(9)
         for _ in range(8):
             grads = [torch.randn(p.shape, generator=g) for p in init]
             for p, q, gr in zip(cpu, off, grads):
                 p.grad = gr.clone()
-                q.grad = gr.clone()
+                q.grad = gr.to(dev.torch_device)
             ref.step()
             opt.step()
         opt.synchronize()
         for p, q in zip(cpu, off):
-            assert torch.equal(p, q)
+            assert torch.equal(p, q.cpu())
             for k, v in ref.state[p].items():
                 if k != "master_param":
                     assert torch.equal(v, opt.state[q][k]), k
@@ -493,9 +493,9 @@ def test_kahan_state_dicts_convert_to_and_from_fp32_masters() -> None:
 def test_kahan_needs_the_weights_on_the_host_and_leaves_fp16_its_master() -> None:
     with pytest.raises(ValueError, match="master_dtype must be torch.float32 or torch.bfloat16"):
         AdamW([torch.zeros(4, requires_grad=True)], master_dtype=torch.float16)
-    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
+    with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
         with pytest.raises(ValueError, match="master_dtype=torch.bfloat16 needs the weights on the host"):
-            AdamW([torch.zeros(8, dtype=torch.bfloat16, requires_grad=True)], master_dtype=torch.bfloat16)
+            AdamW([torch.zeros(8, dtype=torch.bfloat16, device=sim.torch_device, requires_grad=True)], master_dtype=torch.bfloat16)
     h = torch.zeros(64, dtype=torch.float16, requires_grad=True)
     opt = AdamW([h], master_dtype=torch.bfloat16)
     h.grad = torch.ones_like(h)

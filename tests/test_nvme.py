@@ -155,20 +155,20 @@ def test_offloaded_groups_bitwise_equal_to_ram_tier(nvme_dir: str, mode: dict[st
     micro = mode.pop("accumulate", 1)
     outs = []
     for tier in ("nvme", "cpu"):
-        with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.001) as dev:
+        with testing.simulated_device(seed=3, max_delay_s=0.001) as dev:
             torch.manual_seed(0)
-            m = Net()
+            m = Net().to(dev.torch_device)  # on the device, as a user moves it to "cuda"
             extra = {"offload": "nvme", "nvme_dir": nvme_dir} if tier == "nvme" else {}
             opt = AdamW(m.parameters(), lr=1e-2, bucket_mb=0.005, **extra, **mode)
             g = torch.Generator().manual_seed(5)
             for _ in range(12):
                 for _ in range(micro):
-                    x = torch.randn(8, 32, generator=g)
+                    x = torch.randn(8, 32, generator=g).to(dev.torch_device)
                     m(x).square().mean().backward()
                 opt.step()
                 opt.zero_grad()
             opt.synchronize()
-            outs.append(([p.detach().clone() for p in m.parameters()], opt.state_dict()))
+            outs.append(([p.detach().cpu() for p in m.parameters()], opt.state_dict()))
             opt.close()
         assert dev.violations == []
     (wa, sa), (wb, sb) = outs
@@ -374,13 +374,13 @@ def test_io_fault_mid_step_then_exact_continuation(io: str, nvme_dir: str, op: s
 def test_io_fault_in_an_offloaded_step_then_exact_continuation(nvme_dir: str) -> None:
     outs = []
     for fault in (True, False):
-        with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.001):
+        with testing.simulated_device(seed=2, max_delay_s=0.001) as dev:
             torch.manual_seed(0)
-            m = Net()
+            m = Net().to(dev.torch_device)
             opt = AdamW(m.parameters(), lr=1e-2, bucket_mb=0.005, offload="nvme", nvme_dir=nvme_dir, nvme_read_ahead=0)
             g = torch.Generator().manual_seed(5)
             for t in range(8):
-                m(torch.randn(8, 32, generator=g)).square().mean().backward()
+                m(torch.randn(8, 32, generator=g).to(dev.torch_device)).square().mean().backward()
                 if fault and t == 4:
                     opt._engine.tier.pager.io.inject_fault("read", errno.EIO, 2)
                     with pytest.raises(RuntimeError, match="optimizer step failed") as info:
@@ -389,7 +389,7 @@ def test_io_fault_in_an_offloaded_step_then_exact_continuation(nvme_dir: str) ->
                 opt.step()
                 opt.zero_grad()
             opt.synchronize()
-            outs.append([p.detach().clone() for p in m.parameters()])
+            outs.append([p.detach().cpu() for p in m.parameters()])
             opt.close()
     assert all(torch.equal(x, y) for x, y in zip(*outs))
 

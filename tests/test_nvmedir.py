@@ -112,9 +112,9 @@ def use_weights(nvme_dir: str, after_close: Callable[[], None] = _nothing) -> No
 
 
 def use_activations(nvme_dir: str, after_close: Callable[[], None] = _nothing) -> None:
-    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
-        m = _Blocks()
-        x = torch.randn(64, 64, requires_grad=True)
+    with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
+        m = _Blocks().to(sim.torch_device)  # as a user moves it to "cuda"
+        x = torch.randn(64, 64).to(sim.torch_device).requires_grad_()
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
             loss = m(x).sum()
         ao.flush()

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import max_diff
+from helpers import max_diff, to_device
 from test_streaming import Net, assert_same_weights, batches, loss_of, twins
 
 from offload_adam import AdamW, testing
@@ -28,7 +28,7 @@ def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice]:
     callspec = getattr(request.node, "callspec", None)
     seed = callspec.params.get("seed", 0) if callspec is not None else 0
     delay = callspec.params.get("delay", 0.003) if callspec is not None else 0.003
-    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=delay) as dev:
+    with testing.simulated_device(seed=seed, max_delay_s=delay) as dev:
         yield dev
     assert dev.violations == []
 
@@ -95,9 +95,9 @@ def test_a_parent_reading_a_childs_weight_waits_for_it(seed: int) -> None:
     forward: here a child's weight, read before the child is called."""
     torch.manual_seed(0)
     with testing.engine_hooks(before_bucket=lambda k: time.sleep(0.01)):
-        m = Parent()
+        m = to_device(Parent())
         opt = AdamW(m.parameters(), lr=1e-2, async_step=True, bucket_mb=1e-7)  # a bucket per parameter
-    x = torch.randn(4, 8)
+    x = to_device(torch.randn(4, 8))
     for _ in range(6):
         opt.zero_grad()
         m(x).sum().backward()
@@ -119,31 +119,31 @@ def test_bf16_landing_slots_are_not_overwritten_before_their_copy_back(
     copy-back, or the weights receive gradient bytes."""
     torch.manual_seed(0)
     sim.h2d.max_delay_s = 0.01  # copy-backs lag behind the gradient copies
-    ps = [torch.nn.Parameter(torch.randn(64).bfloat16()) for _ in range(6)]
-    qs = [torch.nn.Parameter(p.detach().float()) for p in ps]
+    ps = [torch.nn.Parameter(to_device(torch.randn(64).bfloat16())) for _ in range(6)]
+    qs = [torch.nn.Parameter(p.detach().float().cpu()) for p in ps]
     with testing.engine_hooks(before_bucket=lambda k: time.sleep(0.002)):  # a step still running
         ours = AdamW(ps, lr=1e-2, async_step=True, bucket_mb=0.0001)
     ref = torch.optim.AdamW(qs, lr=1e-2, foreach=False)
     for t in range(25):
         gs = [(torch.randn(64) * 1000).bfloat16() for _ in ps]  # far from the weights: a mix-up shows
         if by_backward:  # gradients that do not depend on the (possibly stale) weights
-            torch.autograd.backward([p for p in ps], gs)
+            torch.autograd.backward([p for p in ps], to_device(gs))
         else:
             for p, g in zip(ps, gs):
-                p.grad = g
+                p.grad = to_device(g)
         for q, g in zip(qs, gs):
             q.grad = g.float()
         ours.synchronize()
         for p in ps:  # the weights the last step sent, not gradient bytes
             if p in ours.state:
-                assert torch.equal(p.detach(), ours.state[p]["master_param"].bfloat16())
+                assert torch.equal(p.detach().cpu(), ours.state[p]["master_param"].bfloat16())
         ours.step()
         ours.zero_grad()
         ref.step()
     ours.synchronize()
     for p, q in zip(ps, qs):
         assert max_diff(ours.state[p]["master_param"], q) <= 2e-5
-        assert torch.equal(p.detach(), ours.state[p]["master_param"].bfloat16())
+        assert torch.equal(p.detach().cpu(), ours.state[p]["master_param"].bfloat16())
 
 
 def test_a_gradient_set_to_none_before_the_step_skips_the_parameter() -> None:
@@ -203,14 +203,15 @@ def test_a_failed_step_gives_back_only_gradients_no_zero_grad_has_dropped() -> N
     torch.manual_seed(0)
     m = Branchy()
     m2 = copy.deepcopy(m)
+    m = to_device(m)
     with testing.engine_hooks(before_bucket=before_bucket):
         ours = AdamW(m.parameters(), lr=1e-2, async_step=True, bucket_mb=0.0001)
     ref = torch.optim.AdamW(m2.parameters(), lr=1e-2, foreach=False)
     x = torch.randn(4, 8)
-    m(x, True).backward()  # b gets a gradient in this step only
+    m(to_device(x), True).backward()  # b gets a gradient in this step only
     ours.step()  # fails in the worker
     ours.zero_grad()
-    m(x, False).backward()
+    m(to_device(x), False).backward()
     with pytest.raises(RuntimeError, match="boom"):
         ours.synchronize()
     fail[0] = False
@@ -236,7 +237,8 @@ def test_a_worker_that_cannot_start_leaves_no_forward_hanging() -> None:
     with pytest.raises(RuntimeError, match="can't start new thread"):
         ours.step()
     done = threading.Event()
-    threading.Thread(target=lambda: (a(x), done.set()), daemon=True).start()
+    xd = to_device(x)  # (here: the simulated device is this thread's context)
+    threading.Thread(target=lambda: (a(xd), done.set()), daemon=True).start()
     assert done.wait(30), "a forward after a failed step start hangs"
     ours._engine.hooks = testing.EngineHooks()  # the next start succeeds
     ours.step()
@@ -248,7 +250,7 @@ def test_a_worker_that_cannot_start_leaves_no_forward_hanging() -> None:
 
 def run_with_scaler(**kw: Any) -> None:
     a, b, ours, ref = twins(**kw)
-    sa = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    sa = torch.amp.GradScaler(next(a.parameters()).device.type, init_scale=2.0**12, growth_interval=3)
     sb = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     for t, x in enumerate(batches(12)):
         for m, o, s in ((a, ours, sa), (b, ref, sb)):

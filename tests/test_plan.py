@@ -22,7 +22,8 @@ def test_planned_host_bytes_equal_memory_report(streamed: bool, dtype: torch.dty
     m = _model(dtype)
     params = [(p.numel(), p.dtype) for p in m.parameters()]
     if streamed:
-        with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
+        with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
+            m.to(sim.torch_device)  # as a user moves it to "cuda"
             opt = AdamW(m.parameters(), state_dtype=state_dtype, bucket_mb=0.05)
             held = opt.memory_report()["host_bytes"]
     else:
@@ -61,7 +62,7 @@ def test_planned_streamed_weights_equal_what_offload_weights_allocates(prefetch:
     torch.manual_seed(0)
     m = _Layers(4).to(torch.bfloat16)
     params = [(p.numel(), p.dtype) for p in m.parameters()]
-    with testing.simulated_device(host_memory=True, seed=0, max_delay_s=0.0):
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
         h = offload_adam.offload_weights(m, prefetch=prefetch)
         kw: dict = {"state_dtype": torch.uint8, "master_dtype": torch.bfloat16} if compact else {}
         opt = AdamW(m.parameters(), bucket_mb=0.05, **kw)

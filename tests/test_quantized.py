@@ -469,27 +469,31 @@ def test_a_frozen_base_under_autocast_recomputes_in_the_backward_under_the_forwa
     """CUDA review, second pass, hazard 5: the frozen linear's backward recomputes the base's
     F.linear for the input's gradient; a custom Function's backward runs with the backward
     thread's autocast state (off), so under autocast an fp32 model's base ran an fp32 GEMM there,
-    other bits than the resident layer's bf16 one. Under CPU autocast (bf16) over an fp32 model,
-    3 steps on the adapters are bitwise the training with the base resident. (The simulated
-    device in its former mode: its own device type has no autocast yet.)"""
+    other bits than the resident layer's bf16 one. Under the simulated device's autocast (bf16, as
+    CUDA's) over an fp32 model, 3 steps on the adapters are bitwise the training with the base
+    resident on the device."""
     model = qlora(9, torch.float32)
     ref = copy.deepcopy(model)
     g = torch.Generator().manual_seed(9)
     data = [torch.randint(1, 256, (2, 9), generator=g) for _ in range(3)]
 
-    def train(m: torch.nn.Module) -> None:
+    def train(m: torch.nn.Module, where: torch.device) -> None:
         opt = offload_adam.AdamW(adapters(m), lr=1e-2)
         for x in data:
-            with torch.autocast("cpu", torch.bfloat16):
+            x = to_device(x)
+            with torch.autocast(where.type, torch.bfloat16):
                 out = m(x[:, :-1]).logits.float()
             torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten()).backward()
             opt.step()
             opt.zero_grad()
 
-    train(ref)
-    with testing.simulated_device(seed=9, max_delay_s=0.001, host_memory=True) as sim:
+    with testing.simulated_device(seed=9, max_delay_s=0.001) as sim:  # the base resident on the device
+        ref.to(sim.torch_device)
+        train(ref, sim.torch_device)
+        ref.cpu()
+    with testing.simulated_device(seed=9, max_delay_s=0.001) as sim:
         h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, resident=lambda n, p: p.requires_grad, **NATIVE_OFF)
-        train(model)
+        train(model, sim.torch_device)
         h.close()
     assert sim.violations == []
     for (n, p), q in zip(model.named_parameters(), ref.parameters()):

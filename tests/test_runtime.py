@@ -22,8 +22,8 @@ from offload_adam.runtime.schedule import SCHEDULE
 
 def test_cpu_tensors_have_no_device_unless_one_is_installed() -> None:
     assert device_for(torch.device("cpu")) is None
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
-        assert device_for(torch.device("cpu")) is sim
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        assert device_for(sim.torch_device) is sim and device_for(torch.device("cpu")) is None
     assert device_for(torch.device("cpu")) is None
     with pytest.raises(ValueError, match="meta: not supported"):
         device_for(torch.device("meta"))
@@ -35,12 +35,71 @@ def test_one_cuda_device_per_torch_device() -> None:
     assert a is b and a is not None and a.h2d is b.h2d
 
 
+def test_autocast_on_the_simulated_device_casts_as_cudas() -> None:
+    """torch.autocast("simgpu") (issue 32): CUDA's lists, above autograd. A GEMM and attention run
+    in the autocast dtype, a norm, a softmax and a loss in float32, other operations in their
+    inputs' dtype, CPU tensors untouched; the backward (outside autocast) gives float32 gradients
+    on the device. The cast cache as CUDA's: a parameter's cast is kept until the outermost
+    autocast exits (a parameter whose memory is swapped under the same object gets its previous
+    cast), unless the cache is off."""
+    F = torch.nn.functional
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        d = sim.torch_device
+        lin, norm = torch.nn.Linear(8, 8).to(d), torch.nn.LayerNorm(8).to(d)
+        x = torch.randn(2, 8).to(d)
+        with torch.autocast(d.type, dtype=torch.bfloat16):
+            y = lin(x)
+            q = y.view(1, 2, 1, 8)
+            assert y.dtype == F.scaled_dot_product_attention(q, q, q).dtype == (y + 1).dtype == torch.bfloat16
+            assert norm(y).dtype == torch.softmax(y, -1).dtype == torch.float32
+            loss = F.cross_entropy(y, torch.tensor([1, 2]).to(d))
+            assert loss.dtype == torch.float32
+            assert torch.mm(torch.eye(2), torch.eye(2)).dtype == torch.float32  # the CPU's
+        loss.backward()
+        assert lin.weight.grad is not None and lin.weight.grad.dtype == torch.float32 and lin.weight.grad.device == d
+
+        w, e = torch.nn.Parameter(torch.ones(4, 4).to(d)), torch.eye(4).to(d)
+        for cache, want in ((True, 1.0), (False, 3.0)):
+            with torch.autocast(d.type, dtype=torch.bfloat16, cache_enabled=cache):
+                torch.mm(e, w)
+                with torch.no_grad():
+                    w.data = torch.full((4, 4), want if not cache else 3.0).to(d)
+                assert torch.mm(e, w)[0, 0].item() == want
+        with torch.autocast(d.type, dtype=torch.bfloat16):  # a new region: a new cast
+            assert torch.mm(e, w)[0, 0].item() == 3.0
+    assert sim.violations == []
+
+
+def test_moving_a_module_to_the_simulated_device_keeps_its_parameters_and_their_ties() -> None:
+    """``module.to("cuda")`` keeps each parameter object (torch sets its data in place), so a tied
+    embedding and head stay one parameter; the simulated device's ``.to()`` keeps them too (it
+    made a new parameter per module, and a tied model trained two copies of the tied weight)."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        emb, head = torch.nn.Embedding(4, 3), torch.nn.Linear(3, 4, bias=False)
+        head.weight = emb.weight
+        m, w = torch.nn.ModuleDict({"emb": emb, "head": head}), emb.weight
+        m.to(sim.torch_device)
+        assert m.emb.weight is w and m.head.weight is w and w.device == sim.torch_device
+        assert isinstance(w, torch.nn.Parameter) and len(list(m.parameters())) == 1
+
+
+def test_autograd_backward_of_several_tensors_on_the_simulated_device_reaches_each() -> None:
+    """``torch.autograd.backward([a, b], [ga, gb])`` gives every tensor its gradient, as on
+    "cuda" (the simulated device took the first tensor of the list only)."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        ps = [torch.nn.Parameter(torch.zeros(3, device=sim.torch_device)) for _ in range(3)]
+        gs = [torch.full((3,), float(k + 1), device=sim.torch_device) for k in range(3)]
+        torch.autograd.backward([p * 1 for p in ps], gs)
+        torch.autograd.backward(ps[0] * 2, gs[0])  # one tensor, accumulated
+        assert [p.grad.cpu().tolist() for p in ps] == [[3.0] * 3, [2.0] * 3, [3.0] * 3]  # type: ignore[union-attr]
+
+
 # -- the pinned arena ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("align", [64, 4096])
 def test_the_arena_allocates_exactly_what_is_asked_and_counts_it(align: int) -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         arena = PinnedArena(sim)
         n = 3 * 1000 + 7  # far from a power of two
         t = arena.alloc(n, torch.bfloat16, align=align)
@@ -60,11 +119,11 @@ def test_the_arena_allocates_exactly_what_is_asked_and_counts_it(align: int) -> 
 def test_an_allocation_is_released_only_after_the_copies_queued_on_it() -> None:
     """The simulator's release models cudaHostUnregister under a DMA: with the release waiting
     for the streams (as the CUDA device's finalizer does) no copy touches released memory."""
-    with testing.simulated_device(host_memory=True, max_delay_s=0.01) as sim:
+    with testing.simulated_device(max_delay_s=0.01) as sim:
         arena = PinnedArena(sim)
         src = arena.alloc(1000, torch.float32)
         src.fill_(3.0)
-        dst = torch.zeros(1000)
+        dst = torch.zeros(1000, device=sim.torch_device)
         sim.stream_waits(sim.h2d, sim.record_current())  # after the compute that zeroed it
         sim.copy([(dst, src)], sim.h2d)
         del src
@@ -81,7 +140,7 @@ def test_the_simulator_sees_a_copy_into_memory_compute_may_still_read(wait: bool
     """Happens-before: the compute runs on the host, so it has always finished when the next copy
     is queued; the simulator still flags a copy that overwrites memory an earlier compute
     operation read, unless the copy's stream waited an event recorded after that operation."""
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         slot = sim.empty(64, torch.float32)
         sim.stream_waits(sim.h2d, sim.record_current())
         sim.copy([(slot, PinnedArena(sim).alloc(64, torch.float32))], sim.h2d)
@@ -125,7 +184,7 @@ def test_a_write_from_another_stream_must_follow_the_allocation(wait: bool, host
 def test_the_simulator_reuses_freed_memory_at_once_unless_held_for_another_stream(keep: bool) -> None:
     """The caching allocator: memory freed goes to the next allocation of its stream at once;
     a copy still writing it must have been declared (keep_until_done, record_stream)."""
-    with testing.simulated_device(host_memory=True, max_delay_s=0.05) as sim:
+    with testing.simulated_device(max_delay_s=0.05) as sim:
         buf = sim.empty(1024, torch.uint8)
         src = PinnedArena(sim).alloc(1024, torch.uint8)  # (kept: its release would drain the streams)
         sim.stream_waits(sim.h2d, sim.record_current())  # (after the allocation)
@@ -142,7 +201,7 @@ def test_the_simulator_reuses_freed_memory_at_once_unless_held_for_another_strea
 
 @pytest.mark.parametrize("source", ["pinned", "pageable", "pageable-blocking"])
 def test_the_simulator_flags_an_asynchronous_copy_from_pageable_memory(source: str) -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         dst = sim.empty(256, torch.float32)
         src = PinnedArena(sim).alloc(256, torch.float32) if source == "pinned" else torch.ones(256)
         sim.stream_waits(sim.h2d, sim.record_current())
@@ -163,7 +222,7 @@ def test_the_simulator_sees_work_for_device_1_touch_device_0(guarded: bool) -> N
 
     from offload_adam.runtime.device import on_stream
 
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0, index=1) as sim:
+    with testing.simulated_device(max_delay_s=0.0, index=1) as sim:
         def work() -> None:  # a fresh thread: its current device is 0
             ctx = on_stream(sim.cuda, 1, sim.h2d) if guarded else sim.cuda.stream(sim.h2d)
             with ctx:
@@ -179,7 +238,7 @@ def test_the_simulator_sees_work_for_device_1_touch_device_0(guarded: bool) -> N
 
 
 def test_the_simulator_counts_host_waits_on_compute_events_and_registrations() -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         before = sim.counters()
         sim.host_wait(sim.record(sim.h2d))  # no compute in it
         sim.stream_waits(sim.d2h, sim.record_current())

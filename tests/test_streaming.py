@@ -1,5 +1,6 @@
 """The GPU-offload machinery (hooks, buckets, worker, copy-back, pre-hook waits, accumulation,
-clipping, GradScaler), run on CPU parameters through a simulated asynchronous device: side
+clipping, GradScaler), run on a simulated asynchronous device (the model moved there as to
+"cuda"; torch's AdamW on the CPU as reference): side
 streams are worker threads that run copies late (random seeded delays), waits of the current
 stream are honoured lazily, and memory freed under a queued copy is poisoned with NaN."""
 
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import max_diff
+from helpers import max_diff, to_device
 
 from offload_adam import AdamW, testing
 from offload_adam.runtime.device import device_for
@@ -29,7 +30,7 @@ def sim(request: pytest.FixtureRequest) -> Iterator[SimulatedDevice]:
     """Every test runs on a simulated device; tests parametrized by ``seed`` under several."""
     callspec = getattr(request.node, "callspec", None)
     seed = callspec.params.get("seed", 0) if callspec is not None else 0
-    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.002) as dev:
+    with testing.simulated_device(seed=seed, max_delay_s=0.002) as dev:
         yield dev
     assert dev.violations == []
 
@@ -53,9 +54,9 @@ class Net(torch.nn.Module):
 
 def twins(dtype: torch.dtype = torch.float32, **kw: Any) -> tuple[Net, Net, AdamW, torch.optim.AdamW]:
     torch.manual_seed(0)
-    a = Net().to(dtype)
+    a = to_device(Net().to(dtype))
     b = Net()
-    b.load_state_dict({k: v.float() for k, v in a.state_dict().items()})
+    b.load_state_dict({k: v.float().cpu() for k, v in a.state_dict().items()})
     opt_kw = {k: kw.pop(k) for k in ("free_gradients", "async_step", "bucket_mb") if k in kw}
     ours = AdamW(a.parameters(), lr=1e-2, bucket_mb=opt_kw.pop("bucket_mb", 0.001), **opt_kw, **kw)
     ref = torch.optim.AdamW(b.parameters(), lr=1e-2, foreach=False, **kw)
@@ -63,6 +64,7 @@ def twins(dtype: torch.dtype = torch.float32, **kw: Any) -> tuple[Net, Net, Adam
 
 
 def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x.to(next(m.parameters()).device)  # the batch where the model is, as a user moves it
     return torch.nn.functional.cross_entropy(m(x).float().flatten(0, 1), x.flatten())
 
 
@@ -73,7 +75,7 @@ def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
 
 def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module, tol: float = TOL) -> None:
     for (n, p), q in zip(a.named_parameters(), b.parameters()):
-        assert max_diff(p.float(), q) <= tol, n
+        assert max_diff(p.float().cpu(), q.cpu()) <= tol, n
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -101,6 +103,7 @@ def test_param_groups_and_a_scheduler_cycling_betas(async_step: bool) -> None:
     torch.manual_seed(0)
     a, b = Net(), Net()
     b.load_state_dict(a.state_dict())
+    a = to_device(a)
 
     def groups(m: Net) -> list[dict[str, Any]]:
         return [
@@ -146,7 +149,7 @@ def test_low_precision_model_keeps_fp32_masters_on_the_host() -> None:
         # torch, in fp32, fed the same (bf16) gradients
         ref.zero_grad()
         for p, q in zip(a.parameters(), b.parameters()):
-            q.grad = None if p.grad is None else p.grad.float()
+            q.grad = None if p.grad is None else p.grad.float().cpu()
         ours.step()
         ref.step()
         for p, q in zip(a.parameters(), b.parameters()):
@@ -157,7 +160,7 @@ def test_low_precision_model_keeps_fp32_masters_on_the_host() -> None:
             continue
         assert st["master_param"].dtype == torch.float32
         assert max_diff(st["master_param"], q) <= TOL
-        assert torch.equal(p.detach(), st["master_param"].to(torch.bfloat16))
+        assert torch.equal(p.detach().cpu(), st["master_param"].to(torch.bfloat16))
 
 
 def test_clip_grad_norm_on_the_model_is_seen_and_the_fast_path_matches() -> None:
@@ -187,7 +190,7 @@ def test_clip_grad_norm_on_the_model_is_seen_and_the_fast_path_matches() -> None
 
 def test_grad_scaler_unscales_in_the_kernel_and_skips_infs() -> None:
     a, b, ours, ref = twins()
-    sa = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    sa = torch.amp.GradScaler(next(a.parameters()).device.type, init_scale=2.0**12, growth_interval=3)
     sb = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     for t, x in enumerate(batches(20)):
         for m, o, s in ((a, ours, sa), (b, ref, sb)):
@@ -213,7 +216,7 @@ def test_an_unscale_before_the_step_is_not_lost(seed: int) -> None:
     bumping their version, after the hooks copied them; the step then got no scale and
     stepped the host copies still scaled. It copies them again now."""
     a, b, ours, ref = twins()
-    sa = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    sa = torch.amp.GradScaler(next(a.parameters()).device.type, init_scale=2.0**12, growth_interval=3)
     sb = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     for x in batches(8):
         for m, o, s in ((a, ours, sa), (b, ref, sb)):
@@ -227,7 +230,7 @@ def test_an_unscale_before_the_step_is_not_lost(seed: int) -> None:
 
 def test_grad_scaler_with_free_gradients_is_refused_clearly() -> None:
     a, _, ours, _ = twins(free_gradients=True)
-    s = torch.amp.GradScaler("cpu")
+    s = torch.amp.GradScaler(next(a.parameters()).device.type)
     s.scale(loss_of(a, batches(1)[0])).backward()
     with pytest.raises((NotImplementedError, AssertionError)):
         s.step(ours)
@@ -242,9 +245,9 @@ def test_async_step_never_lets_a_forward_read_a_stale_weight(seed: int) -> None:
         ours.zero_grad()
         loss_of(a, x).backward()
         ours.step()
-        out = a(x)  # runs while the worker is still updating later buckets
+        out = a(to_device(x))  # runs while the worker is still updating later buckets
         ours.synchronize()
-        assert torch.equal(out, a(x)), "the forward read a weight before its update"
+        assert torch.equal(out, a(to_device(x))), "the forward read a weight before its update"
         ref.zero_grad()
         loss_of(b, x).backward()
         ref.step()
@@ -341,7 +344,8 @@ def test_state_dict_round_trips_with_torch_and_resumes_exactly() -> None:
     a2 = copy.deepcopy(a)
     ours2 = AdamW(a2.parameters(), lr=1e-2, amsgrad=True, bucket_mb=0.001)
     ours2.load_state_dict(sd)
-    b2 = copy.deepcopy(a).float()
+    b2 = Net()  # (a copy of a on the host: the simulated device's .cpu() would untie the tied weights)
+    b2.load_state_dict({k: v.float().cpu() for k, v in a.state_dict().items()})
     ref2 = torch.optim.AdamW(b2.parameters(), lr=1e-2, amsgrad=True, foreach=False)
     ref2.load_state_dict(copy.deepcopy(sd))
     for x in data[10:]:
@@ -367,24 +371,24 @@ def test_model_checkpoint_loaded_mid_training_is_taken_over() -> None:
     ours.step()
     for k, p in a.named_parameters():
         if p in ours.state:
-            assert max_diff(p, snapshot[k]) < 0.1, k  # one step away from the loaded weights
+            assert max_diff(p.cpu(), snapshot[k].cpu()) < 0.1, k  # one step away from the loaded weights
 
 
 def test_thousands_of_small_parameters_and_memory_report() -> None:
     torch.manual_seed(0)
-    ps = [torch.nn.Parameter(torch.randn(64)) for _ in range(2000)]
-    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    ps = [torch.nn.Parameter(to_device(torch.randn(64))) for _ in range(2000)]
+    qs = [torch.nn.Parameter(p.detach().cpu()) for p in ps]
     ours = AdamW(ps, lr=1e-3)
     ref = torch.optim.AdamW(qs, lr=1e-3, foreach=False)
-    for _ in range(5):
+    for _ in range(2):  # (2 steps: each is 2000 parameters' operations on the simulated device)
         for p, q in zip(ps, qs):
             g = torch.randn(64)
-            p.grad, q.grad = g, g.clone()
+            p.grad, q.grad = to_device(g), g.clone()
         ours.step()
         ref.step()
-    assert max(max_diff(p, q) for p, q in zip(ps, qs)) <= TOL
+    assert max(max_diff(p.cpu(), q) for p, q in zip(ps, qs)) <= TOL
     for dtype, grad_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
-        big = [torch.nn.Parameter(torch.randn(1 << 20).to(dtype)) for _ in range(4)]
+        big = [torch.nn.Parameter(to_device(torch.randn(1 << 20).to(dtype))) for _ in range(4)]
         rep = AdamW(big).memory_report()
         assert rep["gpu_bytes"] == 0
         # 4 B master + 8 B moments + the landing buffer (which also carries the bf16 copy back)
@@ -396,7 +400,8 @@ def test_moved_or_retyped_parameters_are_refused_before_anything_changes() -> No
     a, _, ours, _ = twins()
     loss_of(a, batches(1)[0]).backward()
     ours.step()
-    a.double()
+    for p in a.parameters():  # what a.double() does to a CUDA model: the same objects, retyped
+        p.data = p.data.double()
     loss_of(a, batches(1)[0]).backward()
     w = [p.detach().clone() for p in a.parameters()]
     with pytest.raises(RuntimeError, match="moved or changed"):
@@ -414,9 +419,11 @@ def test_profiler_sees_named_ranges() -> None:
 
 
 def test_streaming_is_reported_by_the_package(sim: SimulatedDevice) -> None:
-    """Inside `testing.simulated_device(host_memory=True, host_memory=True)` the runtime streams CPU tensors through it; outside,
-    and in the product's own imports, there is no simulator."""
-    assert device_for(torch.device("cpu")) is sim
+    """Inside `testing.simulated_device()` the runtime streams the simulated device's tensors
+    through it, and CPU tensors are host memory; outside, and in the product's own imports,
+    there is no simulator."""
+    assert device_for(sim.torch_device) is sim
+    assert device_for(torch.device("cpu")) is None
     assert testing.active_device() is sim
     code = "import sys, offload_adam; print(sorted(m for m in sys.modules if m.startswith('offload_adam.testing')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)

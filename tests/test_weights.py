@@ -18,6 +18,7 @@ import torch
 
 import offload_adam
 from offload_adam import testing
+from offload_adam.testing.simbackend import mem
 from offload_adam.testing.simdevice import SimulatedDevice
 
 from helpers import to_device, to_host
@@ -461,7 +462,7 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
         import weakref
 
         out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in self.storages:
+        if func is torch.ops.aten._to_copy.default and mem(args[0]).untyped_storage().data_ptr() in self.storages:
             self.casts.append(weakref.ref(out))
         return out
 
@@ -474,21 +475,23 @@ class _Casts(torch.utils._python_dispatch.TorchDispatchMode):
 def test_autocast_keeps_no_copy_of_a_streamed_weight(arch: str) -> None:
     """CUDA review (December) finding 2: autocast's cast cache keeps a bf16 copy of every fp32
     weight it casts (the parameter stays the same object while its data is a slot view) until
-    the outermost autocast exits, which undoes the ring's bound. CPU autocast has the same
-    cache: no cast of a streamed weight outlives its block's forward, and the logits are bitwise
-    the resident model's under autocast."""
+    the outermost autocast exits, which undoes the ring's bound (and, the parameter's memory
+    swapped under it, hands a later block the cast of an earlier one). Under the simulated
+    device's autocast, which keeps CUDA's cache: no cast of a streamed weight outlives its block's
+    forward, and the logits are bitwise the model's resident on the device under autocast."""
     import torch.utils._python_dispatch  # noqa: F401
 
     model = MODELS[arch](torch.float32, 7)
     ref = copy.deepcopy(model)
     x = prompt(7)
-    with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
-        want = ref(x).logits
-    # (The former mode, whose device memory is the CPU's: the simulated device has no autocast.)
-    with testing.simulated_device(seed=7, max_delay_s=0.001, host_memory=True):
+    with testing.simulated_device(seed=7, max_delay_s=0.0) as sim:
+        ref.to(sim.torch_device)
+        with torch.autocast(sim.torch_device.type, torch.bfloat16), torch.no_grad():
+            want = to_host(ref(to_device(x)).logits)
+    with testing.simulated_device(seed=7, max_delay_s=0.001) as sim:
         h = offload_adam.offload_weights(model, prefetch=1)
         watch = _Casts({s.buf.untyped_storage().data_ptr() for s in h.streamer.ring.slots})
-        with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+        with torch.autocast(sim.torch_device.type, torch.bfloat16), torch.no_grad():
             with watch:
                 got = to_host(model(to_device(x)).logits)
             assert watch.casts and watch.alive() == 0  # (inside the autocast region: its cache would hold them)

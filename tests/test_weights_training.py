@@ -1,5 +1,5 @@
-"""Training with streamed weights (offload_weights, then offload_adam.AdamW), on the CPU through
-the simulated device: forward and backward stream each block, the step writes the updated
+"""Training with streamed weights (offload_weights, then offload_adam.AdamW), on the simulated
+device (the batches, and the resident twin, moved there as to "cuda"): forward and backward stream each block, the step writes the updated
 weights straight into the host copies the next forward streams. Exact against the same
 training with the weights resident and the optimizer offloading as before: every weight and
 every state tensor bitwise equal after 12 steps, in every mode."""
@@ -16,6 +16,9 @@ import torch
 
 import offload_adam
 from offload_adam import testing
+from offload_adam.testing.simbackend import mem
+
+from helpers import to_device, to_host
 
 transformers = pytest.importorskip("transformers")
 transformers.utils.logging.set_verbosity_error()
@@ -51,6 +54,7 @@ def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
 
 
 def loss_of(m: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    x = x.to(next(m.parameters()).device)  # the batch where the model is, as a user moves it
     out = m(x[:, :-1]).logits.float()
     return torch.nn.functional.cross_entropy(out.flatten(0, 1), x[:, 1:].flatten())
 
@@ -102,7 +106,7 @@ def weights(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def assert_same(model: torch.nn.Module, ref: torch.nn.Module, opt: Any, ropt: Any) -> None:
     for (n, _), p, q in zip(model.named_parameters(), weights(model), ref.parameters()):
-        assert torch.equal(p, q), n
+        assert torch.equal(to_host(p), to_host(q)), n
     sd, rsd = opt.state_dict(), ropt.state_dict()
     assert set(sd["state"]) == set(rsd["state"])
     for k, v in rsd["state"].items():
@@ -134,7 +138,7 @@ MODES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 
 def twins(arch: str, dtype: torch.dtype, seed: int, **offload: Any) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     model = MODELS[arch](dtype, seed)
-    ref = copy.deepcopy(model)
+    ref = to_device(copy.deepcopy(model))  # resident on the device
     h = offload_adam.offload_weights(model, **offload)
     return model, ref, h
 
@@ -150,7 +154,7 @@ def test_training_is_bitwise_the_resident_trainings(arch: str, dtype: torch.dtyp
     kw, loop = MODES[mode]
     steps = 12
     data = batches(steps * loop.get("accumulate", 1), seed)
-    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.001) as sim:
+    with testing.simulated_device(seed=seed, max_delay_s=0.001) as sim:
         model, ref, h = twins(arch, dtype, seed, prefetch=1 + seed % 2)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
@@ -160,41 +164,6 @@ def test_training_is_bitwise_the_resident_trainings(arch: str, dtype: torch.dtyp
         rep = h.report()
         assert rep["gpu_peak_bytes"] <= rep["gpu_resident_bytes"] + rep["ring_bytes"] + 64
         assert rep["gpu_peak_bytes"] < 0.7 * rep["weights_bytes"]
-        opt.close()
-        h.close()
-        assert sim.violations == []
-
-
-@pytest.mark.parametrize(
-    "arch, dtype, seed, state_dtype",
-    [("gpt2", torch.float32, 0, torch.uint8), ("llama", torch.bfloat16, 1, torch.uint8), ("llama", torch.bfloat16, 2, torch.float8_e4m3fn)],
-)
-def test_compact_state_trains_streamed_weights_bitwise_as_on_the_cpu(arch: str, dtype: torch.dtype, seed: int, state_dtype: torch.dtype) -> None:
-    """8-bit or fp8 moments, and bf16 weights updated in their host copy with Kahan compensation
-    (no fp32 master): the streamed training is bitwise the same model's training on the CPU (an
-    offloaded resident twin would keep an fp32 master: master_dtype=torch.bfloat16 needs the
-    weights on the host)."""
-    kw = {"state_dtype": state_dtype, "master_dtype": torch.bfloat16}
-    data = batches(12, seed)
-    ref = MODELS[arch](dtype, seed)
-    ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
-    train(ref, ropt, data)
-    with testing.simulated_device(host_memory=True, seed=seed, max_delay_s=0.001) as sim:
-        model = MODELS[arch](dtype, seed)
-        h = offload_adam.offload_weights(model, prefetch=1)
-        opt = offload_adam.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, **kw)
-        train(model, opt, data)
-        for (n, _), p, q in zip(model.named_parameters(), weights(model), ref.parameters()):
-            assert torch.equal(p, q), n
-        st, rst = opt.state_dict()["state"], ropt.state_dict()["state"]
-        for k, v in rst.items():
-            # A float32 home is its own master, which a streamed group's entry shows.
-            assert set(st[k]) - set(v) <= {"master_param"}, k
-            for key, t in v.items():
-                bits = (lambda x: x.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn else (lambda x: x)
-                assert torch.equal(bits(st[k][key]), bits(t)), (k, key)
-        keys = set().union(*(set(v) for v in st.values()))
-        assert "exp_avg_codes" in keys and ("kahan_comp" in keys) == (dtype == torch.bfloat16)
         opt.close()
         h.close()
         assert sim.violations == []
@@ -219,7 +188,7 @@ def test_bytes_per_step_and_activation_checkpointing(arch: str, checkpointing: s
     """Each streamed weight crosses twice a step (forward and backward) in the model's dtype, each
     gradient once, nothing else (no copy-back); with torch.utils.checkpoint the recompute streams
     the block again, and its copy serves the block's backward too (still twice)."""
-    with testing.simulated_device(host_memory=True, seed=3, max_delay_s=0.001) as sim:
+    with testing.simulated_device(seed=3, max_delay_s=0.001) as sim:
         model, ref, h = twins(arch, torch.bfloat16, 3, prefetch=2)
         if checkpointing:
             for m in (model, ref):
@@ -251,14 +220,14 @@ def test_bytes_per_step_and_activation_checkpointing(arch: str, checkpointing: s
 def test_grad_scaler_with_fp16_weights() -> None:
     """GradScaler hands the step its scale and inf flag (the kernel unscales); steps with an
     inf are skipped on both twins alike (the small initial growth interval makes some)."""
-    with testing.simulated_device(host_memory=True, seed=4, max_delay_s=0.001):
+    with testing.simulated_device(seed=4, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float16, 4)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3)
         data = batches(12, 4)
         scales: list[list[float]] = []
         for m, o in ((ref, ropt), (model, opt)):
-            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**15, growth_interval=3)
+            scaler = torch.amp.GradScaler(sim.torch_device.type, init_scale=2.0**15, growth_interval=3)
             scales.append([])
             train(m, o, data, scaler=scaler, after=lambda k: scales[-1].append(scaler.get_scale()))
         assert scales[0] == scales[1] and any(b < a for a, b in zip(scales[0], scales[0][1:]))  # a step skipped
@@ -272,9 +241,9 @@ def test_resident_blocks_and_the_nvme_state_tier(offload: str, nvme_dir: str) ->
     """Whole blocks resident within gpu_budget_gb keep the offloaded path with its copy-back, in
     the same param groups as the streamed ones; the state on NVMe pages as before."""
     nv = {"offload": "nvme", "nvme_dir": nvme_dir} if offload == "nvme" else {}
-    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.001):
+    with testing.simulated_device(seed=5, max_delay_s=0.001):
         model = llama(torch.bfloat16, 5)
-        ref = copy.deepcopy(model)
+        ref = to_device(copy.deepcopy(model))
         total = sum(p.numel() * p.element_size() for p in model.parameters())
         h = offload_adam.offload_weights(model, gpu_budget_gb=0.6 * total / 2**30, prefetch=1)
         assert 0 < len(h.resident) < len(h.blocks)
@@ -295,7 +264,7 @@ def test_resident_blocks_and_the_nvme_state_tier(offload: str, nvme_dir: str) ->
 
 
 def test_bad_combinations_are_refused_before_anything_changes(nvme_dir: str) -> None:
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0):
+    with testing.simulated_device(max_delay_s=0.0):
         model = gpt2(torch.float32, layers=2)
         h = offload_adam.offload_weights(model, storage="nvme", nvme_dir=nvme_dir)
         with pytest.raises(ValueError, match=r"streamed from NVMe .* train with offload_weights\(storage='cpu'\)"):
@@ -321,8 +290,8 @@ def test_train_weights_bench_reports_bytes_and_breakdown() -> None:
     copy-back and its weights up about twice a step, the resident one copying back."""
     from offload_adam.tools import train_weights_bench
 
-    with testing.simulated_device(host_memory=True, max_delay_s=0.0, lazy=False):
-        res = train_weights_bench._measure(layers=2, d=64, vocab=256, batch=2, seq=8, rounds=2, prefetch=1, cuda=False)
+    with testing.simulated_device(max_delay_s=0.0, lazy=False) as sim:
+        res = train_weights_bench._measure(layers=2, d=64, vocab=256, batch=2, seq=8, rounds=2, prefetch=1, cuda=False, device=sim.torch_device)
     s, r = res["streamed (offload_weights)"], res["resident, optimizer offloaded"]
     assert s["h2d_bytes_copy_back"] == 0 and r["h2d_bytes_copy_back"] > 0
     assert s["d2h_bytes"] == r["d2h_bytes"] > 0
@@ -339,21 +308,21 @@ def test_an_eval_pass_after_training_never_refills_a_slot_compute_may_still_read
     happens-before check sees the copy that does not; the logits stay bitwise the resident
     model's."""
     data = batches(3, 5)
-    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.001) as sim:
+    with testing.simulated_device(seed=5, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float32, 5, prefetch=prefetch)
         assert model.lm_head.weight is not model.model.embed_tokens.weight
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3)
         train(ref, ropt, data[:2])
         train(model, opt, data[:2])
-        x = data[2]
+        x = to_device(data[2])
         for _ in range(3):
             with torch.no_grad():
                 got, want = model.eval()(x).logits, ref.eval()(x).logits
-            assert torch.equal(got, want)
+            assert torch.equal(to_host(got), to_host(want))
         toks = model.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=6, do_sample=False, pad_token_id=0)
         rtoks = ref.generate(x[:, :4], attention_mask=torch.ones_like(x[:, :4]), max_new_tokens=6, do_sample=False, pad_token_id=0)
-        assert torch.equal(toks, rtoks)
+        assert torch.equal(to_host(toks), to_host(rtoks))
         opt.close()
         h.close()
         assert sim.violations == []
@@ -370,7 +339,7 @@ def test_autocast_training_recasts_streamed_weights_in_the_backward() -> None:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     data = batches(4, 8)
-    with testing.simulated_device(host_memory=True, seed=8, max_delay_s=0.001) as sim:
+    with testing.simulated_device(seed=8, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float32, 8, prefetch=1)
         opt = offload_adam.AdamW(model.parameters(), lr=1e-3, bucket_mb=0.05)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, bucket_mb=0.05)
@@ -380,13 +349,13 @@ def test_autocast_training_recasts_streamed_weights_in_the_backward() -> None:
         class Watch(TorchDispatchMode):
             def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
                 out = func(*args, **(kwargs or {}))
-                if func is torch.ops.aten._to_copy.default and args[0].untyped_storage().data_ptr() in slots:
+                if func is torch.ops.aten._to_copy.default and mem(args[0]).untyped_storage().data_ptr() in slots:
                     casts.append(weakref.ref(out))
                 return out
 
         for m, o in ((ref, ropt), (model, opt)):
             for x in data:
-                with torch.autocast("cpu", torch.bfloat16):
+                with torch.autocast(sim.torch_device.type, torch.bfloat16):
                     with Watch() if m is model else contextlib.nullcontext():
                         loss = loss_of(m, x)
                 if m is model:
@@ -409,16 +378,16 @@ def test_the_context_manager_around_training_hands_the_trained_model_back() -> N
     of raising; the optimizer then refuses to step the released weights, and its state_dict()
     still works."""
     data = batches(4, 9)
-    with testing.simulated_device(host_memory=True, seed=9, max_delay_s=0.001) as sim:
+    with testing.simulated_device(seed=9, max_delay_s=0.001) as sim:
         model = MODELS["gpt2"](torch.float32, 9)
-        ref = copy.deepcopy(model)
+        ref = to_device(copy.deepcopy(model))
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05)
         train(ref, ropt, data)
         with offload_adam.offload_weights(model, prefetch=1):
             opt = offload_adam.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1, bucket_mb=0.05, async_step=True)
             train(model, opt, data)
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
-            assert type(p.data) is torch.Tensor and p.device.type == "cpu" and torch.equal(p, q), n
+            assert type(p.data) is torch.Tensor and p.device.type == "cpu" and torch.equal(p, to_host(q)), n
         sd, rsd = opt.state_dict(), ropt.state_dict()
         for k, v in rsd["state"].items():
             for key, t in v.items():
@@ -435,7 +404,7 @@ def test_an_eval_call_on_the_cpu_right_after_an_async_step_reads_the_stepped_wei
     may still be writing; the call waits the block's fences first. The eval right after each
     async step is bitwise the resident model's (trained the same way, synchronously)."""
     data = batches(4, 7)
-    with testing.simulated_device(host_memory=True, seed=7, max_delay_s=0.001) as sim:
+    with testing.simulated_device(seed=7, max_delay_s=0.001) as sim:
         model, ref, h = twins("llama", torch.float32, 7, prefetch=1, placement="cpu")
         opt = offload_adam.AdamW(model.parameters(), lr=1e-2, async_step=True)
         ropt = offload_adam.AdamW(ref.parameters(), lr=1e-2)
@@ -443,8 +412,9 @@ def test_an_eval_call_on_the_cpu_right_after_an_async_step_reads_the_stepped_wei
             train(ref, ropt, [x])
             train(model, opt, [x])
             with torch.no_grad():
-                got, want = model(data[3]).logits, ref(data[3]).logits
-            assert torch.equal(got, want)
+                x = to_device(data[3])
+                got, want = model(x).logits, ref(x).logits
+            assert torch.equal(to_host(got), to_host(want))
         assert h.report()["calls"]["prompt"]["cpu"] > 0
         opt.close()
         h.close()

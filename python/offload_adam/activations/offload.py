@@ -111,6 +111,10 @@ class ActivationOffload:
         max_inflight_bytes: int,
     ) -> None:
         self.device = device
+        # The class of the device's own tensors (torch.Tensor on CUDA; a device whose tensors are
+        # a Python subclass names it, tensor_type): a tensor of another class that dispatches
+        # itself is a wrapper subclass, kept.
+        self.plain: type = getattr(device, "tensor_type", Tensor)
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.storage = storage
@@ -190,8 +194,8 @@ class ActivationOffload:
                     stacklevel=3,
                 )
             return True  # a host tensor already, another device's, or no plain storage to copy
-        if type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__:
-            return True  # a wrapper subclass
+        if type(t) is not self.plain and type(t).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+            return True  # a wrapper subclass (not the device's own tensors)
         base = t._base if t._base is not None else t
         if isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad):
             return True  # a parameter, or a view of one (F.linear saves weight.t())

@@ -22,6 +22,7 @@ device. What it keeps of a GPU:
   and ``.to("simgpu")`` put tensors there; freshly allocated memory is NaN (never initialized).
 * **Identity.** ``data_ptr()`` and ``untyped_storage()`` answer for the memory (the runtime tells
   slots and rebindings apart by address, as on a GPU).
+* **Autocast.** ``torch.autocast("simgpu")`` casts as CUDA's (:mod:`~offload_adam.testing.simautocast`).
 * **The streams.** Each operation on device memory is reported to the :class:`SimulatedDevice` of
   its index (:func:`attach`): it honours the thread's pending stream waits first, and records
   what it reads and writes for the happens-before check.
@@ -29,12 +30,14 @@ device. What it keeps of a GPU:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 from torch.utils._pytree import tree_map
+
+from . import simautocast
 
 NAME = "simgpu"
 
@@ -105,6 +108,22 @@ class SimTensor(Tensor):
         if isinstance(new, SimTensor):
             self.mem, self.device_index = new.mem, new.device_index
 
+    # The memory's storage as a method too: code that runs inside an operation (a saved-tensor
+    # hook, called while this class's torch functions are disabled) asks for it as well. (Not
+    # data_ptr: torch's deepcopy tells a wrapper without memory by a data_ptr() of 0 there.)
+    def untyped_storage(self) -> torch.UntypedStorage:
+        return self.mem.untyped_storage()
+
+    # A traceable wrapper subclass (its inner tensor named): ``module.to("simgpu")`` then swaps
+    # each parameter's contents, the object staying, as ``.to("cuda")`` keeps it (``p.data =``);
+    # without it, torch made a new parameter per module and broke tied weights.
+    def __tensor_flatten__(self) -> tuple[list[str], dict[str, int]]:
+        return ["mem"], {"index": self.device_index}
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, Tensor], ctx: dict[str, int], outer_size: Any, outer_stride: Any) -> SimTensor:
+        return SimTensor(inner["mem"], ctx["index"])
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"SimTensor({self.mem!r}, device='{NAME}:{self.device_index}')"
 
@@ -125,9 +144,8 @@ class SimTensor(Tensor):
             # state, and the subclasses its nodes meet (a quantized weight) need their own.
             return _backward(*args, **kwargs)
         if func is torch.autograd.backward:
-            tensors = args[0]
             return _backward(
-                tensors if isinstance(tensors, Tensor) else tensors[0], kwargs.get("grad_tensors", args[1] if len(args) > 1 else None),
+                args[0] if args else kwargs["tensors"], kwargs.get("grad_tensors", args[1] if len(args) > 1 else None),
                 kwargs.get("retain_graph"), kwargs.get("create_graph", False), kwargs.get("inputs"),
             )  # fmt: skip
         with torch._C.DisableTorchFunctionSubclass():
@@ -142,17 +160,16 @@ class SimTensor(Tensor):
 
 
 def _backward(
-    t: Tensor, gradient: Tensor | None = None, retain_graph: bool | None = None, create_graph: bool = False, inputs: Any = None
+    t: Tensor | Sequence[Tensor], gradient: Any = None, retain_graph: bool | None = None, create_graph: bool = False, inputs: Any = None
 ) -> None:
     """``torch.autograd.backward`` past its own torch-function check (which would bring it back
-    here), with subclasses' torch functions on."""
+    here), with subclasses' torch functions on: every tensor with its gradient (it took the
+    first of a list only, and the other tensors got none)."""
     from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple  # type: ignore[attr-defined]
     from torch.autograd.graph import _engine_run_backward
 
-    tensors = (t,)
-    if isinstance(gradient, (tuple, list)):
-        gradient = gradient[0]
-    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, 1), is_grads_batched=False)
+    tensors = (t,) if isinstance(t, Tensor) else tuple(t)
+    grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
     inputs_tuple = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
     _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True)
 
@@ -164,30 +181,41 @@ _AS_THE_CPU = {torch.nn.functional.scaled_dot_product_attention, torch._C._nn.sc
 
 
 class _CpuCall(torch.autograd.Function):
-    """``fn`` run on the CPU memory of its tensor arguments (recorded by autograd there), its
-    results back on the device; the backward through the CPU's own graph."""
+    """``fn`` run on the CPU memory of its tensor arguments, its result back on the device. What
+    the backward needs is saved as the device tensors themselves (``save_for_backward``: a
+    saved-tensor hook sees them as on a GPU, where the attention saves its device inputs; a
+    graph kept on the CPU memory showed it host tensors), and the backward recomputes ``fn`` on
+    them (the CPU's kernels are deterministic: the same bits) to take its gradients."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., Any], index: int, *tensors: Tensor) -> Any:  # type: ignore[override]
-        inputs = [mem(t).detach().requires_grad_(t.requires_grad) for t in tensors]
         hooks = _hooks.get(index)
         if hooks is not None:
             hooks.before_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default, tuple(tensors[:3]), {})
-        with torch.enable_grad():
-            out = fn(*inputs)
-        ctx.graph = (inputs, out)
+        with torch.no_grad():
+            out = fn(*[mem(t).detach() for t in tensors])
+        ctx.save_for_backward(*tensors)
+        ctx.fn = fn
         ctx.index = index
         return SimTensor(out.detach(), index)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Any:  # type: ignore[override]
-        inputs, out = ctx.graph
+        tensors = ctx.saved_tensors
+        hooks = _hooks.get(ctx.index)
+        if hooks is not None:
+            hooks.before_op(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default, (grad, *tensors[:3]), {})
+        needs = ctx.needs_input_grad[2:]
+        inputs = [mem(t).detach().requires_grad_(bool(n) and t.is_floating_point()) for t, n in zip(tensors, needs)]
         wanted = [t for t in inputs if t.requires_grad]
+        with torch.enable_grad():
+            out = ctx.fn(*inputs)
         got = iter(torch.autograd.grad(out, wanted, mem(grad)) if wanted else ())
         return (None, None, *[SimTensor(next(got), ctx.index) if t.requires_grad else None for t in inputs])
 
 
 def _as_the_cpu(func: Any, args: Any, kwargs: Any) -> Any:
+    args, kwargs = simautocast.cast_for_attention(args, kwargs, NAME)  # what autocast gives the kernel
     flat = list(args) + list(kwargs.values())
     where = [i for i, x in enumerate(flat) if isinstance(x, Tensor)]
     index = _index_of(args, kwargs)
@@ -397,4 +425,5 @@ def register() -> None:
     ]
     for op, fn in impls:
         _lib.impl(op, fn, "PrivateUse1")
+    simautocast.register(NAME)
     _registered = True

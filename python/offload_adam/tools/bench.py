@@ -358,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
         elif case == "bf16-compact":
             cs = [
                 Contender(
+                    "offload_adam bf16 Kahan, fp8 moments",
+                    _ours(gpt2, torch.bfloat16, args.threads, state_dtype=torch.float8_e4m3fn, master_dtype=torch.bfloat16),
+                ),
+                Contender(
                     "offload_adam bf16 Kahan, uint8 moments",
                     _ours(gpt2, torch.bfloat16, args.threads, state_dtype=torch.uint8, master_dtype=torch.bfloat16),
                 ),
@@ -369,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append(
                 run_case(
                     "bf16 params, compact state, GPT-2 small shapes", cs, n(gpt2), args.rounds, "offload_adam bf16, fp32 masters",
-                    also=("offload_adam bf16 Kahan, fp32 moments", "torch AdamW(fused=True) bf16"),
+                    also=("offload_adam bf16 Kahan, uint8 moments", "offload_adam bf16 Kahan, fp32 moments", "torch AdamW(fused=True) bf16"),
                 )
             )
             continue

@@ -104,8 +104,12 @@ def _h2d_bandwidth() -> float:
     return best
 
 
-def _measure(*, layers: int, d: int, vocab: int, batch: int, seq: int, rounds: int, prefetch: int, cuda: bool) -> dict[str, Any]:
-    dev = "cuda" if cuda else "cpu"
+def _measure(
+    *, layers: int, d: int, vocab: int, batch: int, seq: int, rounds: int, prefetch: int, cuda: bool, device: Any = "cpu"
+) -> dict[str, Any]:
+    """``device``: where the resident case and the batches go without CUDA (the simulated
+    device's ``torch_device``, as a user moves them to "cuda")."""
+    dev = "cuda" if cuda else device
     base = llama(layers, d, vocab, "cpu")
     n_params = sum(p.numel() for p in base.parameters())
     cases: list[_Case] = []
@@ -164,8 +168,8 @@ def run(*, rounds: int, prefetch: int) -> dict[str, Any]:
     if cuda:
         res = _measure(layers=16, d=2048, vocab=32000, batch=4, seq=512, rounds=rounds, prefetch=prefetch, cuda=True)
     else:
-        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False):
-            res = _measure(layers=4, d=256, vocab=2048, batch=2, seq=64, rounds=rounds, prefetch=prefetch, cuda=False)
+        with testing.simulated_device(max_delay_s=0.0, lazy=False) as sim:
+            res = _measure(layers=4, d=256, vocab=2048, batch=2, seq=64, rounds=rounds, prefetch=prefetch, cuda=False, device=sim.torch_device)
     where = "GPU" if cuda else "SIMULATED device on the CPU: times are the CPU's, not a GPU's; the bytes are a GPU's"
     print(
         f"training with streamed weights, {res['params'] / 1e6:.1f}M bf16 parameters ({res['layers']} layers, d {res['d']}), "

@@ -35,7 +35,8 @@ class FrozenLinear(torch.autograd.Function):
         # backward runs with the backward thread's, normally off: an fp32 GEMM over an fp32
         # dequantized copy where the layer resident ran bf16; CUDA review, second pass, hazard 5).
         kind = x.device.type
-        ctx.amp = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) if kind in ("cuda", "cpu") else None
+        # Any device type with autocast (not only "cuda" and "cpu": a backend of its own too).
+        ctx.amp = (kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind)) if torch.amp.is_autocast_available(kind) else None
         return F.linear(x, weight, bias)
 
     @staticmethod

@@ -5,9 +5,7 @@ counts are ints."""
 from __future__ import annotations
 
 import io
-import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -16,24 +14,7 @@ import torch
 import offload_adam
 from offload_adam import testing
 
-
-class _Layers(torch.nn.Module):
-    def __init__(self, n: int = 4, d: int = 32) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(d, d) for _ in range(n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = torch.relu(layer(x))
-        return x
-
-
-@pytest.fixture
-def nvme_dir(tmp_path: Any) -> Iterator[str]:
-    d = tmp_path / "nvme"
-    d.mkdir()
-    yield str(d)
-    assert os.listdir(d) == []
+from test_bad_input import _Layers, nvme_dir  # noqa: F401 (nvme_dir: a fixture)
 
 
 def _byte_counts_are_ints(rep: dict[str, Any]) -> None:
@@ -45,7 +26,7 @@ def test_weights_on_the_cpu_from_nvme_say_what_they_hold_and_did(nvme_dir: str) 
     """The CPU as the device: no VRAM anywhere; the forwards counted (the report said 0 passes,
     "over 0 forwards", after forwards that read the SSD); read_bytes an int (it was a float);
     no per-forward figures or block calls before a forward."""
-    model = _Layers()
+    model = _Layers(4)
     h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=1)
     try:
         r = repr(h)
@@ -72,7 +53,7 @@ def test_weights_on_the_cpu_from_nvme_say_what_they_hold_and_did(nvme_dir: str) 
 
 
 def test_weights_on_a_device_show_vram_and_what_crossed() -> None:
-    model = _Layers()
+    model = _Layers(4)
     with testing.simulated_device(max_delay_s=0.0):
         h = offload_adam.offload_weights(model, prefetch=1)
         try:
@@ -117,7 +98,7 @@ def test_a_long_fill_shows_a_bar_over_its_blocks_on_a_terminal_only(monkeypatch:
     terminal (a test, a log file) nothing is printed."""
     from offload_adam.weights import progress
 
-    model = _Layers()
+    model = _Layers(4)
     offload_adam.offload_weights(model, device="cpu").close()
     assert capsys.readouterr().err == ""
     term = _Terminal()

@@ -22,6 +22,7 @@ import torch
 
 import offload_adam
 from offload_adam import testing
+from offload_adam.tools.gpu_placement_bench import weight_bytes  # the bytes as stored: a quantized parameter's inner tensors
 
 from helpers import to_device
 from test_weights import fault_and_recover, gpt2, llama, nvme_dir, prompt, run  # noqa: F401 (nvme_dir: a fixture)
@@ -37,18 +38,6 @@ def quantized(arch: str, kind: str, seed: int = 0, layers: int = 3) -> torch.nn.
     model = MODELS[arch](torch.bfloat16, seed, layers=layers)
     torchao_q.quantize_(model, CONFIGS[kind]())
     return model
-
-
-def inner_bytes(model: torch.nn.Module) -> int:
-    """The bytes of the model's tensors as they are stored: a wrapped parameter's inner tensors."""
-    total = 0
-    for p in model.parameters():
-        if type(p) is torch.nn.Parameter:
-            total += p.numel() * p.element_size()
-        else:
-            names, _ = p.__tensor_flatten__()
-            total += sum(getattr(p, n).numel() * getattr(p, n).element_size() for n in names)
-    return total
 
 
 def same_parameters(model: torch.nn.Module, ref: torch.nn.Module) -> None:
@@ -153,7 +142,7 @@ def test_the_quantized_bytes_cross_and_are_stored(nvme_dir: str) -> None:
     for kind in (None, "int8"):
         name = kind or "bf16"
         model = bytes_model(kind)
-        stored = inner_bytes(model)
+        stored = weight_bytes(model)
         with testing.simulated_device(seed=0, max_delay_s=0.0) as sim:
             h = offload_adam.offload_weights(model, storage="cpu", prefetch=1, **NATIVE_OFF)
             with torch.no_grad():

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from ..runtime import checks
-from ..runtime.device import Device, Meter, refuse_capture, stream_device
+from ..runtime.device import Device, Meter, refuse_capture, stream_device, tensor_type
 from ..runtime.pages import ALIGN, IoStats, PageFile, PageStore, Transfer
 from ..runtime.pinned import FreeList, Region, align_up, slab_pool
 
@@ -111,10 +111,9 @@ class ActivationOffload:
         max_inflight_bytes: int,
     ) -> None:
         self.device = device
-        # The class of the device's own tensors (torch.Tensor on CUDA; a device whose tensors are
-        # a Python subclass names it, tensor_type): a tensor of another class that dispatches
-        # itself is a wrapper subclass, kept.
-        self.plain: type = getattr(device, "tensor_type", Tensor)
+        # The class of the device's own tensors: a tensor of another class that dispatches itself
+        # is a wrapper subclass, kept.
+        self.plain = tensor_type(device)
         self.min_bytes = min_bytes
         self.prefetch = prefetch
         self.storage = storage

@@ -457,6 +457,13 @@ def stream_device(device: Any, why: str) -> Device:
     return dev
 
 
+def tensor_type(dev: Device | None) -> type:
+    """The class of ``dev``'s own tensors: ``torch.Tensor``, unless the device's tensors are a
+    Python subclass (the simulated GPU names it, ``tensor_type``), which the runtime then takes
+    for plain tensors, not for wrapped (quantized) ones."""
+    return getattr(dev, "tensor_type", Tensor)
+
+
 def storage_address(t: Tensor) -> int:
     """The address of ``t``'s storage, wherever it is asked: inside an operator (a saved-tensor
     hook, which autograd calls there) torch functions of tensor subclasses are off, and a device

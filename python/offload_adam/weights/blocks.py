@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..runtime.device import device_for, set_data, swap
+from ..runtime.device import device_for, set_data, swap, tensor_type
 from ..runtime.pinned import align_up
 
 TENSOR_ALIGN = 256  # bytes: every tensor of a block starts on it (as the caching allocator aligns: kernels see the same alignment)
@@ -57,7 +57,7 @@ def _device_memory(t: Tensor) -> bool:
         dev = device_for(t.device)
     except ValueError:
         return False
-    return dev is not None and type(t) is getattr(dev, "tensor_type", None)
+    return dev is not None and type(t) is tensor_type(dev)
 
 
 def _dense(t: Tensor) -> bool:

@@ -2,7 +2,8 @@
 expert and run through the experts interface (``weights/experts.py``, ``weights/expertstore.py``).
 Exact against the resident model run with ``experts_implementation="eager"`` (transformers' own
 per-expert loop): logits and a 24-token greedy generate, bitwise, on Qwen3-MoE, Mixtral and
-DeepSeek-V3 (shared experts, grouped routing) built from small configs."""
+DeepSeek-V3 (shared experts, grouped routing) and gpt-oss (transposed experts with biases and a
+gate of their own) built from small configs."""
 
 from __future__ import annotations
 
@@ -67,7 +68,21 @@ def deepseek() -> torch.nn.Module:
     return transformers.DeepseekV3ForCausalLM(c)
 
 
-MODELS = {"qwen3moe": qwen, "mixtral": mixtral, "deepseek_v3": deepseek}
+def gpt_oss() -> torch.nn.Module:
+    """Transposed, interleaved gate/up with biases and a clamped gate of its own (``_apply_gate``)."""
+    c = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+    )  # fmt: skip
+    m = transformers.GptOssForCausalLM(c)
+    for n, p in m.named_parameters():
+        if n.endswith("bias") or n.endswith("sinks"):  # (initialised to zeros: made to count)
+            torch.nn.init.normal_(p, std=0.02)
+    return m
+
+
+MODELS = {"qwen3moe": qwen, "mixtral": mixtral, "deepseek_v3": deepseek, "gpt_oss": gpt_oss}
 
 
 def model(arch: str, seed: int = 0) -> torch.nn.Module:
@@ -106,11 +121,11 @@ def experts_modules(m: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def unit_bytes(m: torch.nn.Module) -> int:
-    """One expert's bytes as stored on the SSD (gate_up and down, each on 256 bytes, the unit on 4 KiB)."""
+    """One expert's bytes as stored on the SSD (its slice of each fused parameter, each on 256
+    bytes, the unit on 4 KiB)."""
     e = experts_modules(m)[0]
-    gu = e.gate_up_proj[0].numel() * e.gate_up_proj.element_size()
-    dn = e.down_proj[0].numel() * e.down_proj.element_size()
-    return align_up(align_up(gu, 256) + dn, ALIGN)
+    sizes = [p[0].numel() * p.element_size() for p in e._parameters.values() if p is not None and p.shape[0] == e.num_experts]
+    return align_up(sum(align_up(n, 256) for n in sizes[:-1]) + sizes[-1], ALIGN)
 
 
 def host_budget(m: torch.nn.Module, nvme_dir: str, cache: str) -> float | None:
@@ -135,6 +150,8 @@ CPU_CASES = [
     ("deepseek_v3", "nvme", "all"),
     ("qwen3moe", "nvme", "small"),
     ("deepseek_v3", "nvme", "none"),
+    ("gpt_oss", "nvme", "small"),
+    ("gpt_oss", "cpu", "none"),
 ]
 
 
@@ -392,6 +409,7 @@ class RowsModel(CostModel):
     ("deepseek_v3", "cpu", "nvme"),
     ("mixtral", "auto", "cpu"),
     ("deepseek_v3", "auto", "cpu"),
+    ("gpt_oss", "stream", "nvme"),
 ])  # fmt: skip
 def test_placements_on_a_device_are_bitwise_the_eager_experts_loop(arch: str, placement: str, storage: str, nvme_dir: str) -> None:
     """On the simulated device the dense parts stream or run on the CPU as placed; the routed

@@ -357,6 +357,18 @@ def test_bad_input_is_named_before_anything_changes() -> None:
     assert same(run(m, prompt()), reference("qwen3moe"))
 
 
+def test_a_graph_through_the_experts_on_a_device_is_refused_not_silently_cut() -> None:
+    """On a device the experts' sum crosses to the host and back by copies that carry no
+    gradient: a forward building a graph there raises naming the module, instead of a backward
+    that would silently skip the experts."""
+    m = model("qwen3moe")
+    with testing.simulated_device(seed=0, max_delay_s=0.0):
+        h = offload_adam.offload_weights(m, native_matmul=False)
+        with pytest.raises(NotImplementedError, match=r"model\.layers\.0\.mlp\.experts: a forward building a graph"):
+            m(to_device(prompt()), labels=to_device(prompt()))
+        h.close()
+
+
 def test_a_failure_storing_the_experts_puts_the_model_back(monkeypatch: pytest.MonkeyPatch, nvme_dir: str) -> None:
     """An error while the experts are stored (the second module's write) leaves the model as it
     was: the same parameters, bitwise, its experts implementation unchanged, no file left."""

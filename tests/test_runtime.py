@@ -98,6 +98,28 @@ def test_the_simulated_device_computes_a_backward_as_the_cpu(fn: Any) -> None:
         assert torch.equal(xd.grad.cpu(), xc.grad)
 
 
+@pytest.mark.parametrize("how", ["backward", "grad"])
+def test_a_backward_that_raises_on_the_simulated_device_raises_its_error(how: str) -> None:
+    """A hook that raises inside a backward on the simulated device: the caller gets that error,
+    as on "cuda" (torch aborted the process: the engine's stream guard called the Python device
+    guard while the error was still set), and the next backward runs."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        w = torch.nn.Parameter(torch.ones(4, 4, device=sim.torch_device))
+
+        def boom(_: torch.Tensor) -> None:
+            raise MemoryError("out of memory (test)")
+
+        hook = w.register_hook(boom)
+        with pytest.raises(MemoryError, match="out of memory"):
+            if how == "grad":
+                torch.autograd.grad((w * 2).sum(), [w])
+            else:
+                (w * 2).sum().backward()
+        hook.remove()
+        (w * 3).sum().backward()
+        assert w.grad is not None and w.grad.device == sim.torch_device and w.grad.cpu().eq(3).all()
+
+
 def test_autograd_backward_of_several_tensors_on_the_simulated_device_reaches_each() -> None:
     """``torch.autograd.backward([a, b], [ga, gb])`` gives every tensor its gradient, as on
     "cuda" (the simulated device took the first tensor of the list only)."""

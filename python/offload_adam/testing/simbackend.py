@@ -30,7 +30,9 @@ device. What it keeps of a GPU:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -143,6 +145,9 @@ class SimTensor(Tensor):
             # Not under DisableTorchFunctionSubclass: the backward's thread inherits this thread's
             # state, and the subclasses its nodes meet (a quantized weight) need their own.
             return _backward(*args, **kwargs)
+        if func is torch.autograd.grad:
+            with _raising(), torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func is torch.autograd.backward:
             return _backward(
                 args[0] if args else kwargs["tensors"], kwargs.get("grad_tensors", args[1] if len(args) > 1 else None),
@@ -171,7 +176,8 @@ def _backward(
     tensors = (t,) if isinstance(t, Tensor) else tuple(t)
     grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
     inputs_tuple = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True)
+    with _raising():
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True)
 
 
 # Operations whose kernel torch picks by device type: on the simulated device they run the CPU's
@@ -383,6 +389,59 @@ class _Hook(_hook_base()):  # type: ignore[misc]
         return bool(_hooks)
 
 
+# -- a backward that raises -----------------------------------------------------------------------
+#
+# A Python exception raised inside a backward (a tensor hook, a saved-tensor hook) leaves the
+# thread's Python error indicator set while torch's C++ unwinds (``throw python_error()``; the
+# engine fetches the error only later, in ``PythonEngine::thread_on_exception``). On the way out
+# the node's stream guard (``c10::OptionalStreamGuard`` in ``Engine::evaluate_function``, there
+# for every node on the accelerator's device type, which ``simgpu`` is) restores the stream:
+# ``PythonDeviceGuard::exchangeStream`` (``torch/csrc/acc/Module.cpp``, noexcept) calls
+# ``type()``, a pybind11 override that calls the guard's ``type_`` in Python; with the error still
+# set that call fails ("returned a result with an exception set"), the C++ exception leaves a
+# noexcept function, and std::terminate aborts the process (torch 2.15). So the device guard's
+# ``type_`` takes a pending error off the thread (a ctypes call into the C API surfaces it as a
+# Python exception, caught here), keeps it, and lets the unwinding finish; the engine then
+# reports an error whose Python exception is gone (a SystemError: "returned NULL without setting
+# an exception"), and :func:`_raising` raises the kept exception in its place, as on a GPU.
+
+_pending: list[BaseException] = []  # errors taken off a backward's thread, last first out
+_probe = ctypes.pythonapi.Py_IsInitialized  # any C-API call: ctypes raises an error it finds set
+
+
+def _guard_base() -> Any:
+    return torch._C._acc.DeviceGuard
+
+
+class _Guard(_guard_base()):  # type: ignore[misc]
+    """The device guard of ``simgpu``: torch's for a Python backend, that survives a backward
+    that raises (see above)."""
+
+    def type_(self) -> Any:
+        try:
+            _probe()
+        except BaseException as e:  # noqa: BLE001 (the backward's error, whatever it is: kept)
+            _pending.append(e)
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+@contextlib.contextmanager
+def _raising() -> Iterator[None]:
+    """Around the autograd engine: an error a backward raised on the device, as raised (the
+    engine's SystemError in its place otherwise; see above)."""
+    _pending.clear()
+    try:
+        yield
+    except SystemError:
+        if not _pending:
+            raise
+        e = _pending.pop()
+        _pending.clear()
+        raise e from None
+    finally:
+        _pending.clear()
+
+
 def _fresh(size: Any, dtype: torch.dtype | None, stride: Any = None) -> Tensor:
     dtype = dtype or torch.get_default_dtype()
     m = torch.empty(size, dtype=dtype) if stride is None else torch.empty_strided(size, stride, dtype=dtype)
@@ -432,7 +491,7 @@ def register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     if torch._C._get_privateuse1_backend_name() != NAME:
-        _setup_privateuseone_for_python_backend(NAME, backend_module=_Module(), hook=_Hook())
+        _setup_privateuseone_for_python_backend(NAME, backend_module=_Module(), hook=_Hook(), device_guard=_Guard())
     _lib = torch.library.Library("aten", "IMPL")
 
     def empty_memory_format(size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None, memory_format: Any = None) -> Tensor:

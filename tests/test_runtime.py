@@ -98,6 +98,14 @@ def test_the_simulated_device_computes_a_backward_as_the_cpu(fn: Any) -> None:
         assert torch.equal(xd.grad.cpu(), xc.grad)
 
 
+def test_a_tensor_of_the_simulated_device_reads_back_as_on_cuda() -> None:
+    """``.tolist()`` and ``.item()`` copy to the host, as a CUDA tensor's do (torch refuses
+    ``tolist`` for a subclass: examples/train_gpt.py --simulate failed reading its answers)."""
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        t = torch.arange(6).view(2, 3).to(sim.torch_device)
+        assert t.tolist() == [[0, 1, 2], [3, 4, 5]] and t[1, 2].item() == 5
+
+
 @pytest.mark.parametrize("how", ["backward", "grad"])
 def test_a_backward_that_raises_on_the_simulated_device_raises_its_error(how: str) -> None:
     """A hook that raises inside a backward on the simulated device: the caller gets that error,

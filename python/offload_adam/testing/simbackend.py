@@ -139,6 +139,8 @@ class SimTensor(Tensor):
             return args[0].mem.untyped_storage()
         if any(not issubclass(t, SimTensor) and t not in (Tensor, torch.nn.Parameter) for t in types):
             return NotImplemented  # another subclass's (a quantized weight over device tensors): its own first
+        if func is Tensor.tolist:  # (torch refuses it for a subclass; a CUDA tensor's copies to the host)
+            return args[0].cpu().tolist()
         if func in _AS_THE_CPU:
             return _as_the_cpu(func, args, kwargs)
         if func is Tensor.backward:

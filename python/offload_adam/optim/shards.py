@@ -39,9 +39,21 @@ def same_sharding(t: Any, key: Tensor) -> bool:
 
 
 def check_local(loc: Any, name: str) -> None:
-    """A DTensor parameter's local shard must be a plain tensor: it is what the kernel updates."""
-    if not isinstance(loc, Tensor) or type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+    """A DTensor parameter's local shard must be a plain tensor: it is what the kernel updates
+    (or the plain memory of a device whose tensors are a Python subclass, its ``tensor_type``:
+    the test suite's simulated GPU)."""
+    if not isinstance(loc, Tensor) or (type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__ and not _device_memory(loc)):
         raise TypeError(f"{name}: the DTensor's local shard is a {type(loc).__name__}, not a plain tensor")
+
+
+def _device_memory(t: Tensor) -> bool:
+    from ..runtime.device import device_for, tensor_type
+
+    try:
+        dev = device_for(t.device)
+    except ValueError:
+        return False
+    return dev is not None and type(t) is tensor_type(dev)
 
 
 def local_shards(params: list[Tensor], names: list[str]) -> tuple[list[Tensor], list[Tensor] | None]:

@@ -289,6 +289,8 @@ def _dispatch(func: Any, args: Any, kwargs: Any) -> Any:
     hooks = _hooks.get(index)
     if name == "aten::_has_compatible_shallow_copy_type":
         return all(isinstance(t, SimTensor) for t in args[:2])
+    if name == "aten::record_stream":  # (the memory is the host's, freed when the last reference goes)
+        return None
     _check_sides(func, args, kwargs, index)
     if hooks is not None:
         hooks.before_op(func, args, kwargs)
@@ -377,6 +379,38 @@ class _Module:
         return [torch.bfloat16, torch.float16]
 
     def synchronize(self, device: Any = None) -> None:
+        pass
+
+    # Streams and events, for the code that asks a device's module for them (distributed
+    # checkpointing's loader, FSDP2): torch's own, through the device guard, where each stream is
+    # the device's one compute stream. The simulated device's compute runs in program order on
+    # the host, so their waits order nothing that is not ordered already (its side streams, the
+    # hazards it checks, are its Device interface's).
+
+    def current_stream(self, device: Any = None) -> torch.Stream:
+        return torch.Stream(device=torch.device(NAME, _device_index(device)))
+
+    def Stream(self, device: Any = None, priority: int = 0, **kw: Any) -> torch.Stream:  # noqa: N802 (torch's name)
+        return torch.Stream(device=torch.device(NAME, _device_index(device)), priority=priority)
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:  # noqa: N802
+        return _Event(device=torch.device(NAME, 0), enable_timing=enable_timing)
+
+    def stream(self, s: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(s)
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+class _Event(torch.Event):
+    """An event of the device's compute stream: complete when recorded (torch's guard for a
+    Python backend cannot synchronize one)."""
+
+    def synchronize(self) -> None:
         pass
 
 

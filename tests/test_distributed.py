@@ -481,12 +481,16 @@ def test_fsdp2_shards_with_quantized_moments_step_as_the_whole_model(state_dtype
 def test_fsdp2_streamed_shards_match_torch_adamw(kw: dict[str, Any]) -> None:
     """FSDP2 with its shards on the device (no CPUOffloadPolicy): our optimizer streams each
     rank's reduce-scattered gradient shard to the host and its updated shard back, here on the
-    simulated device (the mesh of simgpu, gloo on host copies for its collectives)."""
+    simulated device (the mesh of simgpu, gloo on host copies for its collectives). The state
+    read after the steps is the steps' (torch's within rounding): it was a copy on the device
+    made when the entry was first read, which no step updated."""
     ref = spawn(_fsdp_worker, False, {}, "torch", torch.float32)
     out = spawn(_fsdp_worker, True, kw, "ours", torch.float32, env=STREAM)
     (wa, na, kinds, full), (wb, nb, _, _) = out
     assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "the ranks' weights differ"
     assert "exp_avg:DTensor" in kinds and "master_param:DTensor" in kinds
+    for k, v in ref[0][3].items():
+        torch.testing.assert_close(full[k], v, rtol=1e-4, atol=1e-6)
     for x, r in zip(wa, ref[0][0]):
         torch.testing.assert_close(x, r, rtol=0, atol=1e-5)
     for x, r in zip(na, ref[0][1]):

@@ -201,15 +201,14 @@ def test_the_simulator_sees_a_copy_into_memory_compute_may_still_read(wait: bool
         assert "last used by mul.Tensor (epoch" in sim.violations[0]
 
 
-@pytest.mark.parametrize("host_memory", [False, True], ids=["own-device", "host-memory"])
 @pytest.mark.parametrize("wait", [True, False])
-def test_a_write_from_another_stream_must_follow_the_allocation(wait: bool, host_memory: bool) -> None:
+def test_a_write_from_another_stream_must_follow_the_allocation(wait: bool) -> None:
     """Allocation-time reuse (issue 32, point 2): memory the caching allocator hands out keeps its
     previous owner's pending accesses, and the allocation is a write of the allocating stream: a
     copy into it from a side stream must follow an event of that stream recorded after the
     allocation. Here the memory of a tensor the compute just read is handed out again at once;
     the copy that does not wait for the compute lands while (on a GPU) the read may still run."""
-    with testing.simulated_device(max_delay_s=0.0, host_memory=host_memory) as sim:
+    with testing.simulated_device(max_delay_s=0.0) as sim:
         old = sim.empty(256, torch.float32)
         old.fill_(1.0)
         old.sum()  # the compute reads it (queued, on a GPU), then frees it

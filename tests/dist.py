@@ -39,10 +39,13 @@ def _simulated() -> Any:
 
 def _prepare() -> None:
     """A worker process: the simulated device's type and its collectives registered before any
-    backward runs (autograd sizes its per-device queues at a process's first backward)."""
-    from offload_adam.testing import simdist
+    backward runs (autograd sizes its per-device queues at a process's first backward); not
+    where CUDA is (as in conftest.py: NCCL runs keep CUDA as torch's accelerator), where a
+    simulated call registers them itself."""
+    if not torch.cuda.is_available():
+        from offload_adam.testing import simdist
 
-    simdist.register()
+        simdist.register()
 
 
 def _run(
@@ -59,6 +62,7 @@ def _run(
         if sim:
             from offload_adam.testing import simdist
 
+            simdist.register()
             backend = simdist.NAME
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         try:

@@ -214,6 +214,7 @@ def test_a_decode_token_reads_the_missed_experts_and_the_dense_blocks_only(nvme_
         for _ in range(steps):
             out = m(out.logits[:, -1:].argmax(-1), cache=out.past_key_values, use_cache=True)
     r = h.report()
+    assert "routed experts: 2 modules, 32 experts" in h.summary() and "routed experts" in repr(h)
     dec = r["experts"]["decode"]
     k, layers = m.config.num_experts_per_tok, len(experts_modules(m))
     assert dec["calls"] == steps * layers and dec["misses"] == dec["experts"] <= steps * k * layers

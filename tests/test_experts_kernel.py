@@ -158,6 +158,22 @@ def test_skipped_slots_and_rows_without_experts() -> None:
     assert torch.equal(out, torch.zeros(3, 16))
 
 
+def test_only_the_experts_the_index_names_are_read() -> None:
+    """A layer's lists hold every expert; a call reads those its index names: the other entries
+    may be anything (None for an expert computed elsewhere, a wrong shape or format)."""
+    g = torch.Generator().manual_seed(4)
+    gu, gus = expert_weights("int8", 32, 24, 4, g)
+    dn, dns = expert_weights("int8", 24, 16, 4, g)
+    assert gus is not None and dns is not None
+    x = torch.randn(2, 24, generator=g)
+    idx = torch.tensor([[1, 3], [3, -1]])
+    w = torch.rand(2, 2, generator=g)
+    want = run(x, gu, dn, idx, w, gate_up_scale=gus, down_scale=dns)
+    holes: list[object] = [None, gu[1], torch.zeros(3, dtype=torch.bfloat16), gu[3]]
+    got = run(x, holes, [None, dn[1], None, dn[3]], idx, w, gate_up_scale=[None, gus[1], None, gus[3]], down_scale=[None, dns[1], None, dns[3]])  # type: ignore[arg-type]
+    assert torch.equal(got, want)
+
+
 def _case() -> dict[str, object]:
     g = torch.Generator().manual_seed(2)
     gu, gus = expert_weights("int8", 16, 12, 3, g)

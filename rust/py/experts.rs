@@ -44,12 +44,9 @@ fn scales<'py>(obj: Option<&Bound<'py, PyAny>>, name: &str, n: usize) -> PyResul
     Ok(Some(v))
 }
 
-/// The views of a list's tensors, named `name[u]`.
-fn views<'a, 'py>(objs: &'a [Bound<'py, PyAny>], name: &str) -> PyResult<Vec<HostView<'a, 'py>>> {
-    objs.iter()
-        .enumerate()
-        .map(|(u, o)| HostView::new(o, &format!("{name}[{u}]")))
-        .collect()
+/// The views of tensors, each named by `names`.
+fn views<'a, 'py>(objs: &'a [Bound<'py, PyAny>], names: &[String]) -> PyResult<Vec<HostView<'a, 'py>>> {
+    objs.iter().zip(names).map(|(o, name)| HostView::new(o, name)).collect()
 }
 
 /// The weight `name` of 2-D shape `(n, k)` with its scale (`scale_name`), as the kernel reads it.
@@ -69,6 +66,12 @@ fn weight<'a>(
     }
     let scale = || -> PyResult<Scale<'a>> {
         let s = s.ok_or_else(|| value_error(format!("{scale_name}: required for quantized weights")))?;
+        if s.numel != n && s.numel != 1 {
+            return Err(value_error(format!(
+                "{scale_name}: has {} elements, expected one per output row ({n}) or one for the tensor",
+                s.numel
+            )));
+        }
         match s.elems() {
             Elems::F32(s) => Ok(Scale::F32(s)),
             Elems::Bf16(s) => Ok(Scale::Bf16(s)),
@@ -102,19 +105,21 @@ fn weight<'a>(
 /// (float32, bfloat16 or float16; one per row or one per tensor). `index` is `(rows, k)` int64 in
 /// `[0, U)` or `-1`; `weights` `(rows, k)` float32 or bfloat16. `out` (`(rows, hidden)`, `x`'s
 /// dtype, sharing no memory with any input) is overwritten. `act` is `"silu"` or `"gelu_tanh"`.
-/// Every tensor is a contiguous CPU tensor. Runs on `num_threads` threads, GIL released.
+/// Every tensor is a contiguous CPU tensor. Only the experts `index` names are checked and read:
+/// the lists' other entries are not looked at (any object: `None` for an expert not here). Runs
+/// on `num_threads` threads, GIL released.
 #[pyfunction]
 #[pyo3(signature = (x, gate_up, down, index, weights, *, gate_up_scale=None, down_scale=None, out, act="silu", num_threads=1, simd=None))]
-pub fn experts(
-    py: Python<'_>,
-    x: &Bound<'_, PyAny>,
-    gate_up: &Bound<'_, PyAny>,
-    down: &Bound<'_, PyAny>,
-    index: &Bound<'_, PyAny>,
-    weights: &Bound<'_, PyAny>,
-    gate_up_scale: Option<&Bound<'_, PyAny>>,
-    down_scale: Option<&Bound<'_, PyAny>>,
-    out: &Bound<'_, PyAny>,
+pub fn experts<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+    gate_up: &Bound<'py, PyAny>,
+    down: &Bound<'py, PyAny>,
+    index: &Bound<'py, PyAny>,
+    weights: &Bound<'py, PyAny>,
+    gate_up_scale: Option<&Bound<'py, PyAny>>,
+    down_scale: Option<&Bound<'py, PyAny>>,
+    out: &Bound<'py, PyAny>,
     act: &str,
     num_threads: usize,
     simd: Option<&str>,
@@ -140,39 +145,6 @@ pub fn experts(
     }
     let gus_objs = scales(gate_up_scale, "gate_up_scale", n)?;
     let dns_objs = scales(down_scale, "down_scale", n)?;
-    let guv = views(&gu_objs, "gate_up")?;
-    let dnv = views(&dn_objs, "down")?;
-    let gusv = gus_objs.as_deref().map(|o| views(o, "gate_up_scale")).transpose()?;
-    let dnsv = dns_objs.as_deref().map(|o| views(o, "down_scale")).transpose()?;
-    let inter = match guv.first().map(|v| v.shape.as_slice()) {
-        None => 0,
-        Some(&[two_i, _]) if two_i % 2 == 0 => two_i / 2,
-        Some(s) => {
-            return Err(value_error(format!(
-                "gate_up[0]: shape must be (2 * intermediate, hidden), got {s:?}"
-            )))
-        }
-    };
-    for (name, vs) in [("gate_up", &guv), ("down", &dnv)] {
-        if let Some(u) = vs.iter().position(|v| v.dtype_name() != vs[0].dtype_name()) {
-            return Err(type_error(format!(
-                "{name}[{u}]: dtype {} differs from {name}[0]'s ({}): the experts of a call share one format",
-                vs[u].dtype_name(),
-                vs[0].dtype_name()
-            )));
-        }
-    }
-    let mut list = Vec::with_capacity(n);
-    for u in 0..n {
-        let gs = gusv.as_ref().map(|v| &v[u]);
-        let ds = dnsv.as_ref().map(|v| &v[u]);
-        let gname = format!("gate_up[{u}]");
-        let dname = format!("down[{u}]");
-        list.push(Expert {
-            gate_up: weight(&guv[u], gs, &gname, &format!("gate_up_scale[{u}]"), 2 * inter, hidden)?,
-            down: weight(&dnv[u], ds, &dname, &format!("down_scale[{u}]"), hidden, inter)?,
-        });
-    }
     let iv = HostView::new(index, "index")?;
     let &[irows, k] = iv.shape.as_slice() else {
         return Err(value_error(format!(
@@ -186,6 +158,72 @@ pub fn experts(
     let Elems::I64(idx) = iv.elems() else {
         return Err(type_error("index: dtype must be int64"));
     };
+    // Only the experts the index names are checked and read (a layer's list holds them all, a
+    // call reads a few; a view costs microseconds): they become the core's experts 0.., in order.
+    if let Some(p) = idx.iter().position(|&v| v < -1 || v >= n as i64) {
+        return Err(value_error(format!(
+            "index: {} at ({}, {}) is outside [0, {n}) (the experts given) and not -1 (skip)",
+            idx[p],
+            p / k.max(1),
+            p % k.max(1)
+        )));
+    }
+    let mut named = vec![usize::MAX; n];
+    for &v in idx.iter().filter(|&&v| v >= 0) {
+        named[v as usize] = 0;
+    }
+    let used: Vec<usize> = (0..n).filter(|&u| named[u] == 0).collect();
+    for (i, &u) in used.iter().enumerate() {
+        named[u] = i;
+    }
+    let local: Vec<i64> = idx
+        .iter()
+        .map(|&v| if v < 0 { -1 } else { named[v as usize] as i64 })
+        .collect();
+    let pick = |objs: &Option<Vec<Bound<'py, PyAny>>>| -> Option<Vec<Bound<'py, PyAny>>> {
+        objs.as_ref().map(|v| used.iter().map(|&u| v[u].clone()).collect())
+    };
+    let gu_used: Vec<Bound<'py, PyAny>> = used.iter().map(|&u| gu_objs[u].clone()).collect();
+    let dn_used: Vec<Bound<'py, PyAny>> = used.iter().map(|&u| dn_objs[u].clone()).collect();
+    let gus_used = pick(&gus_objs);
+    let dns_used = pick(&dns_objs);
+    let names = |name: &str| -> Vec<String> { used.iter().map(|&u| format!("{name}[{u}]")).collect() };
+    let (gu_names, dn_names) = (names("gate_up"), names("down"));
+    let (gus_names, dns_names) = (names("gate_up_scale"), names("down_scale"));
+    let guv = views(&gu_used, &gu_names)?;
+    let dnv = views(&dn_used, &dn_names)?;
+    let gusv = gus_used.as_deref().map(|o| views(o, &gus_names)).transpose()?;
+    let dnsv = dns_used.as_deref().map(|o| views(o, &dns_names)).transpose()?;
+    let inter = match guv.first().map(|v| v.shape.as_slice()) {
+        None => 0,
+        Some(&[two_i, _]) if two_i % 2 == 0 => two_i / 2,
+        Some(s) => {
+            return Err(value_error(format!(
+                "{}: shape must be (2 * intermediate, hidden), got {s:?}",
+                gu_names[0]
+            )))
+        }
+    };
+    for (names, vs) in [(&gu_names, &guv), (&dn_names, &dnv)] {
+        if let Some(i) = vs.iter().position(|v| v.dtype_name() != vs[0].dtype_name()) {
+            return Err(type_error(format!(
+                "{}: dtype {} differs from {}'s ({}): the experts of a call share one format",
+                names[i],
+                vs[i].dtype_name(),
+                names[0],
+                vs[0].dtype_name()
+            )));
+        }
+    }
+    let mut list = Vec::with_capacity(used.len());
+    for i in 0..used.len() {
+        let gs = gusv.as_ref().map(|v| &v[i]);
+        let ds = dnsv.as_ref().map(|v| &v[i]);
+        list.push(Expert {
+            gate_up: weight(&guv[i], gs, &gu_names[i], &gus_names[i], 2 * inter, hidden)?,
+            down: weight(&dnv[i], ds, &dn_names[i], &dns_names[i], hidden, inter)?,
+        });
+    }
     let wv = HostView::new(weights, "weights")?;
     if wv.shape != [rows, k] {
         return Err(value_error(format!(
@@ -212,6 +250,6 @@ pub fn experts(
         ElemsMut::Bf16(o) => ActMut::Bf16(o),
     };
     let shape = ExpertsShape { rows, hidden, inter, k };
-    py.detach(|| core::experts(simd, pool.as_deref(), shape, xa, &list, idx, wa, activation, o))
+    py.detach(|| core::experts(simd, pool.as_deref(), shape, xa, &list, &local, wa, activation, o))
         .map_err(err)
 }

@@ -240,3 +240,21 @@ def test_bad_arguments_are_refused_naming_them_and_write_nothing() -> None:
     _bad(ValueError, r"^act: must be \"silu\" or \"gelu_tanh\"", act="relu")
     _bad(ValueError, r"^num_threads", num_threads=0)
     _bad(ValueError, r"^simd", simd="sse9")
+
+
+def test_the_bench_runs_at_a_tiny_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --experts``'s code at a tiny layer (the figures mean nothing): every contender
+    runs and is reported with its bound."""
+    from offload_adam.tools import experts_bench as eb
+
+    for name, v in (("HIDDEN", 64), ("INTER", 32), ("EXPERTS", 8), ("TOP_K", 2), ("CALLS", 2)):
+        monkeypatch.setattr(eb, name, v)
+    monkeypatch.setattr(eb, "bandwidth", lambda: {"read_GBps": 10.0, "copy_GBps": 5.0})
+    threads = torch.get_num_threads()
+    try:
+        res = eb.run(rounds=1, threads_list=(1,))
+    finally:
+        torch.set_num_threads(threads)
+    got = res["threads"][1]
+    assert {"ours int8 (one call)", "native linear loop fp8", "transformers eager bf16"} <= set(got)
+    assert all(r["bound_s"] > 0 and r["per_call_s"] > 0 for r in got.values())

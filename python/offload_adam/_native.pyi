@@ -27,6 +27,7 @@ __all__ = [
     "dequantize",
     "qmap",
     "linear",
+    "linear_int4",
 ]
 
 CHUNK: int
@@ -112,6 +113,18 @@ def linear(
     scale: Tensor | None = None,
     bias: Tensor | None = None,
     *,
+    out: Tensor,
+    num_threads: int = 1,
+    simd: str | None = None,
+) -> None: ...
+def linear_int4(
+    x: Tensor,
+    qdata: Tensor,
+    scale_and_zero: Tensor,
+    bias: Tensor | None = None,
+    *,
+    group_size: int,
+    layout: str,
     out: Tensor,
     num_threads: int = 1,
     simd: str | None = None,

@@ -60,6 +60,7 @@ use crate::elem::{bf16_to_f32, f16_to_f32, f32_to_bf16, Bf16, F16};
 use crate::error::{Error, Result};
 use crate::isa::Simd;
 
+pub mod int4;
 pub mod reference;
 mod tile;
 mod vector;
@@ -284,6 +285,13 @@ pub(crate) enum OutBlock<'a> {
 }
 
 impl OutBlock<'_> {
+    /// Its columns.
+    pub fn len(&self) -> usize {
+        match self {
+            OutBlock::F32(rows) => rows.first().map_or(0, |r| r.len()),
+            OutBlock::Bf16(rows) => rows.first().map_or(0, |r| r.len()),
+        }
+    }
     /// Writes the float32 results of one tile (`vals[r][j]`, rows `r0..`, columns `c0..` of the
     /// block), rounded to the output dtype.
     #[inline(always)]

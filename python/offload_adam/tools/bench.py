@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--linear: also decode the 4-layer 8B-class model, against llama.cpp where it installs",
     )  # fmt: skip
     ap.add_argument(
+        "--linear-kinds", default=",".join(("bf16", "int8", "fp8", "int4")),
+        help="--linear-model: the weight formats decoded, comma-separated (default bf16,int8,fp8,int4: each a model in memory)",
+    )  # fmt: skip
+    ap.add_argument(
         "--placement", metavar="DIR",
         help="instead: a model 4x its RAM budget run on the CPU from the SSD under DIR, against it resident and accelerate's disk offload (see placement_bench)",
     )  # fmt: skip
@@ -277,7 +281,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.linear:
         from . import linear_bench
 
-        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model)
+        kinds = tuple(k for k in args.linear_kinds.split(",") if k)
+        if not kinds or set(kinds) - set(linear_bench.KINDS):
+            ap.error(f"--linear-kinds: {args.linear_kinds!r}: pick from {', '.join(linear_bench.KINDS)}")
+        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model, kinds=kinds)
         _write_json(args.json, lres)
         return 0
     if args.train_weights:

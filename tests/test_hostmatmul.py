@@ -388,3 +388,37 @@ def test_int4_arguments_are_checked_before_anything_is_written() -> None:
     lin.weight.act_pre_scale = torch.ones(64, dtype=torch.bfloat16)  # type: ignore[union-attr]
     reason = hm.weight_parts(lin.weight)
     assert isinstance(reason, str) and "not weight-only" in reason
+
+
+@pytest.mark.skipif(not _native.omp_available(), reason="no OpenMP runtime (libgomp) in this process")
+def test_the_kernel_on_torchs_openmp_team_gives_its_own_bits() -> None:
+    """Issue 35, point 2: ``omp=True`` runs the kernel's blocks on torch's OpenMP team (libgomp's
+    GOMP_parallel) instead of its rayon pool: every output computed by the same code in the same
+    order, so the same bits, for every kind and thread count, through the mode too; from inside
+    a parallel region it runs on the pool."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16)
+    for kind in ("bf16", "int8", "fp8"):
+        w, s, _ = weights(kind, 301, 512, g)
+        for threads in (1, 2, 3):
+            a = torch.empty(3, 301, dtype=torch.bfloat16)
+            b = torch.empty_like(a)
+            _native.linear(x, w, s, None, out=a, num_threads=threads)
+            _native.linear(x, w, s, None, out=b, num_threads=threads, omp=True)
+            assert torch.equal(a, b), (kind, threads)
+    lin, _ = _int4_linear(320, 512, 64, torch.bfloat16, 1)
+    want = torch.empty(3, 320, dtype=torch.bfloat16)
+    got = torch.empty_like(want)
+    w4: Any = lin.weight
+    layout = hm.int4_layout() or "AVX512"
+    _native.linear_int4(x, w4.qdata, w4.scale_and_zero, None, group_size=64, layout=layout, out=want, num_threads=2)
+    _native.linear_int4(x, w4.qdata, w4.scale_and_zero, None, group_size=64, layout=layout, out=got, num_threads=2, omp=True)
+    assert torch.equal(want, got)
+    with torch.no_grad(), hm.NativeMatmul():
+        off = lin(x)
+        hm.LINEAR_OMP = True
+        try:
+            on = lin(x)
+        finally:
+            hm.LINEAR_OMP = False
+    assert torch.equal(off, on)

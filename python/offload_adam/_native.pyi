@@ -28,6 +28,7 @@ __all__ = [
     "qmap",
     "linear",
     "linear_int4",
+    "omp_available",
 ]
 
 CHUNK: int
@@ -116,7 +117,9 @@ def linear(
     out: Tensor,
     num_threads: int = 1,
     simd: str | None = None,
+    omp: bool = False,
 ) -> None: ...
+def omp_available() -> bool: ...
 def linear_int4(
     x: Tensor,
     qdata: Tensor,
@@ -128,6 +131,7 @@ def linear_int4(
     out: Tensor,
     num_threads: int = 1,
     simd: str | None = None,
+    omp: bool = False,
 ) -> None: ...
 
 @final

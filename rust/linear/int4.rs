@@ -506,6 +506,37 @@ pub fn linear_int4(
     bias: Option<Act<'_>>,
     out: ActMut<'_>,
 ) -> Result<()> {
+    linear_int4_on(simd, None, pool, shape, x, w, bias, out)
+}
+
+/// As [`linear_int4`], on the process's OpenMP team of `threads` (`crate::omp`) where it has one
+/// and the call is not inside a parallel region, else on `pool`; the same bits.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_int4_omp(
+    simd: Simd,
+    threads: usize,
+    pool: Option<&rayon::ThreadPool>,
+    shape: Shape,
+    x: Act<'_>,
+    w: Int4<'_>,
+    bias: Option<Act<'_>>,
+    out: ActMut<'_>,
+) -> Result<()> {
+    let omp = crate::omp::usable().then_some(threads);
+    linear_int4_on(simd, omp, pool, shape, x, w, bias, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_int4_on(
+    simd: Simd,
+    omp: Option<usize>,
+    pool: Option<&rayon::ThreadPool>,
+    shape: Shape,
+    x: Act<'_>,
+    w: Int4<'_>,
+    bias: Option<Act<'_>>,
+    out: ActMut<'_>,
+) -> Result<()> {
     validate(shape, &x, &w, bias.as_ref(), &out)?;
     if !simd.supported() {
         return Err(Error::Value(format!(
@@ -518,7 +549,7 @@ pub fn linear_int4(
         return Ok(());
     }
     let job = Job::new(shape, x, w, bias, simd);
-    let threads = pool.map_or(1, |p| p.current_num_threads());
+    let threads = omp.unwrap_or_else(|| pool.map_or(1, |p| p.current_num_threads()));
     // Tasks of whole blocks (64 outputs: a multiple of every layout's block), about four per
     // thread.
     let block = n.div_ceil(threads.max(1) * 4).div_ceil(64).max(1) * 64;
@@ -554,6 +585,20 @@ pub fn linear_int4(
             _ => grouped(&job, o0, ob),
         }
     };
+    if omp.is_some() {
+        let n = tasks.len();
+        let slots: Vec<std::sync::Mutex<Option<(usize, OutBlock<'_>)>>> =
+            tasks.into_iter().map(|t| std::sync::Mutex::new(Some(t))).collect();
+        let g = |i: usize| {
+            if let Some(t) = slots[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
+                f(t)
+            }
+        };
+        if !(threads > 1 && n > 1 && crate::omp::run(threads, n, &g)) {
+            (0..n).for_each(g);
+        }
+        return Ok(());
+    }
     match pool {
         Some(p) if threads > 1 && tasks.len() > 1 => p.install(|| tasks.into_par_iter().for_each(f)),
         _ => tasks.into_iter().for_each(f),

@@ -21,8 +21,11 @@ fn act<'a>(v: &HostView<'a, '_>, name: &str) -> PyResult<Act<'a>> {
 /// for the tensor). `bias` (float32 or bfloat16, `(out,)`) is optional; `out` is `(rows, out)`
 /// in `x`'s dtype and shares no memory with the inputs. Every tensor is a contiguous CPU tensor.
 /// Runs on `num_threads` threads (a pool of that size), GIL released.
+/// `omp`: its blocks on the process's OpenMP team of `num_threads` (torch's intra-op threads,
+/// `crate::omp`) where there is one, else on the pool; the same bits.
 #[pyfunction]
-#[pyo3(signature = (x, weight, scale=None, bias=None, *, out, num_threads=1, simd=None))]
+#[pyo3(signature = (x, weight, scale=None, bias=None, *, out, num_threads=1, simd=None, omp=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn linear(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
@@ -32,6 +35,7 @@ pub fn linear(
     out: &Bound<'_, PyAny>,
     num_threads: usize,
     simd: Option<&str>,
+    omp: bool,
 ) -> PyResult<()> {
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
@@ -96,6 +100,11 @@ pub fn linear(
         ElemsMut::Bf16(o) => ActMut::Bf16(o),
     };
     let shape = Shape { rows, k, n };
+    if omp {
+        return py
+            .detach(|| core::linear_omp(simd, num_threads, pool.as_deref(), shape, xa, w, ba, o))
+            .map_err(err);
+    }
     py.detach(|| core::linear(simd, pool.as_deref(), shape, xa, w, ba, o))
         .map_err(err)
 }
@@ -106,9 +115,9 @@ pub fn linear(
 /// or `"DEFAULT"`), `scale_and_zero` `(in / group_size, out, 2)` (float32, bfloat16 or float16),
 /// `w = (q - 8) * scale + zero`. `x` is `(rows, in)` (float32 or bfloat16), `bias` optional
 /// `(out,)`, `out` `(rows, out)` in `x`'s dtype, sharing no memory with the inputs. Every tensor
-/// is a contiguous CPU tensor. Runs on `num_threads` threads, GIL released.
+/// is a contiguous CPU tensor. Runs on `num_threads` threads, GIL released (`omp`: as `linear`'s).
 #[pyfunction]
-#[pyo3(signature = (x, qdata, scale_and_zero, bias=None, *, group_size, layout, out, num_threads=1, simd=None))]
+#[pyo3(signature = (x, qdata, scale_and_zero, bias=None, *, group_size, layout, out, num_threads=1, simd=None, omp=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_int4(
     py: Python<'_>,
@@ -121,6 +130,7 @@ pub fn linear_int4(
     out: &Bound<'_, PyAny>,
     num_threads: usize,
     simd: Option<&str>,
+    omp: bool,
 ) -> PyResult<()> {
     use crate::linear::int4::{self, Int4, Int4Layout};
     let simd = simd_or_default(simd)?;
@@ -184,6 +194,17 @@ pub fn linear_int4(
         ElemsMut::Bf16(o) => ActMut::Bf16(o),
     };
     let shape = Shape { rows, k, n };
+    if omp {
+        return py
+            .detach(|| int4::linear_int4_omp(simd, num_threads, pool.as_deref(), shape, xa, w, ba, o))
+            .map_err(err);
+    }
     py.detach(|| int4::linear_int4(simd, pool.as_deref(), shape, xa, w, ba, o))
         .map_err(err)
+}
+
+/// Whether the process has an OpenMP runtime (torch's libgomp) that `linear(..., omp=True)` runs on.
+#[pyfunction]
+pub fn omp_available() -> bool {
+    crate::omp::available()
 }

@@ -56,6 +56,12 @@ Kind = Literal["bf16", "int8", "fp8", "int4"]
 # bench --linear``, its rows table); 16 keeps it to the few rows it is built for.
 MAX_ROWS = 16
 
+# Whether the kernel's blocks run on torch's own OpenMP team (``_native.linear(..., omp=True)``:
+# libgomp's ``GOMP_parallel`` resolved from the process, issue 35 point 2) instead of the kernel's
+# rayon pool, which competes with torch's spinning OpenMP workers inside a model. The same bits
+# either way; left off until measured faster (``bench --linear --linear-model`` times both).
+LINEAR_OMP = False
+
 _KIND_OF_DTYPE: dict[torch.dtype, Kind] = {torch.bfloat16: "bf16", torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _ACT_DTYPES = (torch.float32, torch.bfloat16)
@@ -66,7 +72,7 @@ def _linear_rows(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor |
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype)
-    _native.linear(x2, weight, scale, bias, out=out, num_threads=num_threads)
+    _native.linear(x2, weight, scale, bias, out=out, num_threads=num_threads, omp=LINEAR_OMP)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -138,7 +144,9 @@ def _linear_int4_rows(
         x2 = x2.contiguous()
     n = qdata.shape[0]
     out = torch.empty((x2.shape[0], n), dtype=x.dtype)
-    _native.linear_int4(x2, qdata, scale_and_zero, bias, group_size=group_size, layout=layout, out=out, num_threads=num_threads)
+    _native.linear_int4(
+        x2, qdata, scale_and_zero, bias, group_size=group_size, layout=layout, out=out, num_threads=num_threads, omp=LINEAR_OMP
+    )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
 

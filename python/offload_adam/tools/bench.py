@@ -241,6 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--linear-model: the weight formats decoded, comma-separated (default bf16,int8,fp8,int4: each a model in memory)",
     )  # fmt: skip
     ap.add_argument(
+        "--linear-no-torchao", action="store_true",
+        help="--linear-model: leave out torchao's eager decodes (an order of magnitude slower than the others)",
+    )  # fmt: skip
+    ap.add_argument(
         "--placement", metavar="DIR",
         help="instead: a model 4x its RAM budget run on the CPU from the SSD under DIR, against it resident and accelerate's disk offload (see placement_bench)",
     )  # fmt: skip
@@ -284,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds = tuple(k for k in args.linear_kinds.split(",") if k)
         if not kinds or set(kinds) - set(linear_bench.KINDS):
             ap.error(f"--linear-kinds: {args.linear_kinds!r}: pick from {', '.join(linear_bench.KINDS)}")
-        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model, kinds=kinds)
+        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model, kinds=kinds, torchao_eager=not args.linear_no_torchao)
         _write_json(args.json, lres)
         return 0
     if args.train_weights:

@@ -15,6 +15,8 @@ against torch and torchao, and the decode of a model against llama.cpp, in the s
    int8, fp8 and int4 (torchao's int4 eager beside it); and llama.cpp (``llama-cpp-python``, where
    it installs) on the same weights written as GGUF with the ``gguf`` package, bf16, Q8_0 and
    Q4_0. ``kinds`` picks the weight formats (each a model in memory: all five hold about 6 GB).
+   int8 and int4 are decoded twice: the kernel's blocks on its rayon pool, and on torch's own
+   OpenMP team (``hostmatmul.LINEAR_OMP``), where the process has libgomp and threads > 1.
 """
 
 from __future__ import annotations
@@ -298,7 +300,8 @@ def _llama_cpp_decoder(path: str, prompt: list[int], tokens: int, threads: int) 
 
 
 def model_decode(
-    *, rounds: int, threads: int, layers: int, prompt_len: int, tokens: int, gguf_dir: str | None, kinds: tuple[str, ...] = KINDS
+    *, rounds: int, threads: int, layers: int, prompt_len: int, tokens: int, gguf_dir: str | None, kinds: tuple[str, ...] = KINDS,
+    torchao_eager: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
@@ -307,22 +310,33 @@ def model_decode(
     runs: dict[str, Callable[[], tuple[float, float]]] = {}
     runs["torch bf16"] = _torch_decoder(bf16, prompt, tokens)
 
-    def ours(model: torch.nn.Module) -> Callable[[], tuple[float, float]]:
+    def ours(model: torch.nn.Module, omp: bool = False) -> Callable[[], tuple[float, float]]:
         inner = _torch_decoder(model, prompt, tokens)
 
         def run() -> tuple[float, float]:
-            with hm.NativeMatmul(bf16=True):  # (the dispatch offload_weights' CPU-run blocks use)
-                return inner()
+            hm.LINEAR_OMP = omp  # (the kernel's blocks on torch's OpenMP team, or its own pool)
+            try:
+                with hm.NativeMatmul(bf16=True):  # (the dispatch offload_weights' CPU-run blocks use)
+                    return inner()
+            finally:
+                hm.LINEAR_OMP = False
 
         return run
+
+    from .. import _native
+
+    team = _native.omp_available() and threads > 1
 
     if "bf16" in kinds:
         runs["ours bf16"] = ours(bf16)
     if "int8" in kinds:
         i8 = _model(layers)
         quantize_(i8, Int8WeightOnlyConfig())
-        runs["torchao int8 weight-only (eager)"] = _torch_decoder(i8, prompt, max(2, tokens // 8))
+        if torchao_eager:
+            runs["torchao int8 weight-only (eager)"] = _torch_decoder(i8, prompt, max(2, tokens // 8))
         runs["ours int8"] = ours(i8)
+        if team:
+            runs["ours int8 (torch's OpenMP team)"] = ours(i8, omp=True)
     if "fp8" in kinds:
         f8 = _model(layers)
         quantize_(f8, Float8WeightOnlyConfig())
@@ -330,8 +344,11 @@ def model_decode(
     if "int4" in kinds:
         i4 = _model(layers)
         quantize_(i4, _int4_config())
-        runs["torchao int4 weight-only (eager)"] = _torch_decoder(i4, prompt, max(2, tokens // 4))
+        if torchao_eager:
+            runs["torchao int4 weight-only (eager)"] = _torch_decoder(i4, prompt, max(2, tokens // 4))
         runs["ours int4"] = ours(i4)
+        if team:
+            runs["ours int4 (torch's OpenMP team)"] = ours(i4, omp=True)
     notes: list[str] = []
     tmp = None
     try:
@@ -365,6 +382,8 @@ def model_decode(
         }
     for ours_n, peer in (
         ("ours int8", "llama.cpp Q8_0"), ("ours bf16", "llama.cpp BF16"), ("ours int4", "llama.cpp Q4_0"), ("ours int4", "ours int8"),
+        ("ours int8 (torch's OpenMP team)", "llama.cpp Q8_0"), ("ours int4 (torch's OpenMP team)", "llama.cpp Q4_0"),
+        ("ours int8 (torch's OpenMP team)", "ours int8"), ("ours int4 (torch's OpenMP team)", "ours int4"),
     ):  # fmt: skip
         if peer in rec and ours_n in rec:
             per = [(steps[ours_n] / a[1]) / (steps[peer] / b[1]) for a, b in zip(rec[ours_n], rec[peer])]
@@ -376,7 +395,7 @@ def model_decode(
 
 def run(
     *, rounds: int, threads: int, model: bool, layers: int = 4, tokens: int = 16, gguf_dir: str | None = None,
-    kinds: tuple[str, ...] = KINDS,
+    kinds: tuple[str, ...] = KINDS, torchao_eager: bool = True,
 ) -> dict[str, Any]:  # fmt: skip
     from .. import _native
 
@@ -398,7 +417,8 @@ def run(
         print(f"    {rows:3d} rows: " + "  ".join(f"{n} {t * 1e3:.2f}" for n, t in r.items()))
     if model:
         m = model_decode(
-            rounds=max(2, rounds // 2), threads=threads, layers=layers, prompt_len=64, tokens=tokens, gguf_dir=gguf_dir, kinds=kinds
+            rounds=max(2, rounds // 2), threads=threads, layers=layers, prompt_len=64, tokens=tokens, gguf_dir=gguf_dir, kinds=kinds,
+            torchao_eager=torchao_eager,
         )  # fmt: skip
         res["model"] = m
         print(f"  decode after a 64-token prompt, {layers} layers of hidden 4096 / FFN 14336, vocab 32000:")

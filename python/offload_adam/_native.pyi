@@ -29,6 +29,7 @@ __all__ = [
     "linear",
     "linear_int4",
     "omp_available",
+    "experts",
 ]
 
 CHUNK: int
@@ -132,6 +133,20 @@ def linear_int4(
     num_threads: int = 1,
     simd: str | None = None,
     omp: bool = False,
+) -> None: ...
+def experts(
+    x: Tensor,
+    gate_up: Sequence[Tensor],
+    down: Sequence[Tensor],
+    index: Tensor,
+    weights: Tensor,
+    *,
+    gate_up_scale: Sequence[Tensor] | None = None,
+    down_scale: Sequence[Tensor] | None = None,
+    out: Tensor,
+    act: str = "silu",
+    num_threads: int = 1,
+    simd: str | None = None,
 ) -> None: ...
 
 @final

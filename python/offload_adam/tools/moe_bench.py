@@ -639,7 +639,10 @@ def run(
             for c in todo:
                 if c.startswith("e-"):
                     q = c.rsplit("-", 1)[-1]
-                    write_gguf(ckpt, shape, os.path.join(root, f"{shape.tag}-{q}.gguf"), q)
+                    path = os.path.join(root, f"{shape.tag}-{q}.gguf")
+                    had = os.path.exists(path)
+                    write_gguf(ckpt, shape, path, q)
+                    print(f"llama.cpp's GGUF ({q}): {path} ({'reused' if had else 'written'}, {os.path.getsize(path) / 1e9:.2f} GB)")
     disk = costs.disk_read_gbs(root, (64 << 20) if tiny else (1 << 30))
     host = costs.host_read_gbs((64 << 20) if tiny else (512 << 20))
     print(f"this machine: O_DIRECT read {disk:.2f} GB/s under {root}, host read {host:.2f} GB/s (measured now)")

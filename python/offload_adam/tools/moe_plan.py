@@ -135,12 +135,22 @@ def _experts_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module,
     return out
 
 
+def config_params(config: Any) -> tuple[int, MoeFigures | None]:
+    """The parameters of ``config``'s model (tied ones once) and its MoE figures (None: no
+    routed experts), the model built once on the meta device."""
+    model = _meta_model(config)
+    return sum(p.numel() for p in model.parameters()), _figures(config, model, 2.0)
+
+
 def moe_figures(config: Any, *, bytes_per_param: float = 2.0) -> MoeFigures | None:
     """The figures of a transformers ``config`` (a ``PretrainedConfig``), or None when its model
     has no routed experts. ``bytes_per_param``: of the weights as stored (2 for bf16)."""
     if not bytes_per_param > 0:
         raise ValueError(f"bytes_per_param must be positive, got {bytes_per_param!r}")
-    model = _meta_model(config)
+    return _figures(config, _meta_model(config), bytes_per_param)
+
+
+def _figures(config: Any, model: Any, bytes_per_param: float) -> MoeFigures | None:
     mods = _experts_modules(model)
     top_k = _top_k(config)
     if not mods or top_k is None:
@@ -205,15 +215,18 @@ def describe(f: MoeFigures, *, budget_bytes: float | None, disk_gbs: float, host
     ]
     if budget_bytes is not None:
         c = f.cache(budget_bytes)
-        disk = f"{disk_gbs * 1e9 / c.ssd_bytes_per_token:.2f}" if c.ssd_bytes_per_token else "inf"
-        lines.append(
+        head = (
             f"  an expert cache in {budget_bytes / GB:.1f} GiB of host RAM (the dense parts first: {c.dense_resident_bytes / GB:.1f} GiB): "
-            f"{c.experts_per_layer} of {f.experts} experts per layer stay in RAM; at a uniform routing a routed expert hits "
-            f"{c.hit_rate:.0%} of the time, and a token reads {c.ssd_bytes_per_token / GB:.2f} GiB from the SSD "
-            f"(at most {disk} tokens/s at {disk_gbs:g} GB/s)"
+            f"{c.experts_per_layer} of {f.experts} experts per layer stay in RAM"
         )
-        if c.experts_per_layer == f.experts and c.dense_resident_bytes >= f.dense_params * f.bytes_per_param:
-            lines.append("  every expert fits the budget: storage=\"cpu\" (no SSD read per token)")
+        if c.ssd_bytes_per_token:
+            lines.append(
+                f"{head}; at a uniform routing a routed expert hits {c.hit_rate:.0%} of the time, and a token reads "
+                f"{c.ssd_bytes_per_token / GB:.2f} GiB from the SSD (at most {disk_gbs * 1e9 / c.ssd_bytes_per_token:.2f} tokens/s "
+                f"at {disk_gbs:g} GB/s)"
+            )
+        else:
+            lines.append(f"{head}: the whole model fits, storage=\"cpu\" (nothing read from the SSD per token)")
     return lines
 
 

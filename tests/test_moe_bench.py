@@ -138,3 +138,19 @@ def test_accelerate_keeps_within_the_budget_what_ours_keeps_first() -> None:
     assert 0 < on_cpu <= 0.25 * total
     assert dmap["model.embed_tokens"] == "cpu" and "disk" in dmap.values()
     assert set(dmap) >= {f"model.layers.{i}" for i in range(moe_bench.TINY.layers)}
+
+
+def test_the_resident_model_holds_its_weights_in_ram(tmp_path: Path) -> None:
+    """(a) is resident: its weights are copies, not views of the checkpoint's mapping (those the
+    page cache drops, and the decode read them back from the SSD: 3.2 GB of page cache and an
+    18 s TTFT at the full size). The checkpoint overwritten in place leaves them as they were."""
+    shape = moe_bench.TINY
+    ckpt = moe_bench.checkpoint(str(tmp_path), shape)
+    model = moe_bench._load_resident(ckpt, moe_bench.config(shape))
+    for shard in moe_bench._shards(ckpt):
+        size = os.path.getsize(shard)
+        with open(shard, "r+b") as f:
+            f.seek(size // 2)
+            f.write(bytes(size - size // 2))
+    for n, p in model.named_parameters():
+        assert torch.equal(p, moe_bench._tensor(n, p.shape)), n

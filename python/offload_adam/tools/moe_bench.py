@@ -442,11 +442,13 @@ def expert_figures(report: dict[str, Any]) -> dict[str, Any]:
 
 
 def _load_resident(ckpt: str, cfg: Any) -> Any:
+    """The model with its weights in RAM: copies of the checkpoint's tensors (``load_file``'s own
+    are views of the file's mapping, which the page cache may drop: read again from the SSD)."""
+    from safetensors.torch import load_file
+
     model = _empty_model(cfg)
     for shard in _shards(ckpt):
-        from safetensors.torch import load_file
-
-        model.load_state_dict(load_file(shard), strict=False, assign=True)
+        model.load_state_dict({k: v.clone() for k, v in load_file(shard).items()}, strict=False, assign=True)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise RuntimeError(f"the checkpoint under {ckpt} lacks {left[:3]}")

@@ -120,3 +120,23 @@ def test_plan_refuses_a_missing_config_and_needs_params_or_config(tmp_path: Path
     with pytest.raises(SystemExit):
         main(["--inference", "--gpu-gb", "24", "--host-gb", "64"])
     assert "--params is required (or --config" in capsys.readouterr().err
+
+
+def test_the_planner_page_quotes_what_the_moe_plan_prints(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/plan.md's mixture-of-experts lines, for a config of Qwen3-30B-A3B's shape, are what
+    this version prints."""
+    import re
+
+    monkeypatch.setenv("OFFLOAD_ADAM_CACHE_DIR", str(tmp_path))  # the default bandwidths, as the page says
+    transformers.Qwen3MoeConfig(  # type: ignore[call-arg]
+        hidden_size=2048, num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+        intermediate_size=6144, num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+        norm_topk_prob=True, tie_word_embeddings=False,
+    ).save_pretrained(tmp_path / "qwen3-30b-a3b")  # fmt: skip
+    page = (Path(__file__).resolve().parents[1] / "docs" / "plan.md").read_text()
+    (cmd,) = re.findall(r"```\npython -m offload_adam plan (--inference --config [^\n]*)\n```", page)
+    (shown,) = re.findall(r"```\n(Mixture of experts.*?)\n```", page, re.S)
+    assert main([a if a != "qwen3-30b-a3b/" else str(tmp_path / "qwen3-30b-a3b") for a in cmd.split()]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for line in shown.splitlines():
+        assert line in out, line

@@ -18,7 +18,7 @@ from offload_adam.tools import moe_bench
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("moe")
-    res = moe_bench.run(str(root), tiny=True, isolate=False)
+    res = moe_bench.run(str(root), tiny=True, isolate=False, threads=1)
     res["root"] = str(root)
     return res
 
@@ -61,7 +61,7 @@ def test_a_case_runs_in_its_own_process(tmp_path: Path, capsys: pytest.CaptureFi
     """The command line: one case, in a subprocess of its own (its RSS its own), and the JSON."""
     from offload_adam.tools.bench import main
 
-    assert main(["--moe", str(tmp_path), "--tiny", "--moe-cases", "a-eager", "--json", str(tmp_path / "m.json")]) == 0
+    assert main(["--moe", str(tmp_path), "--tiny", "--moe-cases", "a-eager", "--threads", "1", "--json", str(tmp_path / "m.json")]) == 0
     res = json.loads((tmp_path / "m.json").read_text())
     (c,) = res["cases"]
     assert c["case"] == "a-eager" and res["run"]["isolated"] and "error" not in c
@@ -69,9 +69,19 @@ def test_a_case_runs_in_its_own_process(tmp_path: Path, capsys: pytest.CaptureFi
     assert "tokens vs eager" in capsys.readouterr().out
 
 
-def test_unknown_case_is_refused_naming_it(tmp_path: Path) -> None:
+def test_unknown_case_and_no_round_are_refused_naming_them(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"cases: \['nope'\] unknown"):
         moe_bench.run(str(tmp_path), tiny=True, cases=("nope",))
+    with pytest.raises(ValueError, match="rounds must be at least 1, got 0"):
+        moe_bench.run(str(tmp_path), tiny=True, rounds=0)
+
+
+def test_rounds_interleave_and_each_case_keeps_its_median_round(tmp_path: Path) -> None:
+    res = moe_bench.run(str(tmp_path), tiny=True, cases=("a-eager",), isolate=False, rounds=3, threads=1)
+    for c in res["cases"]:
+        assert len(c["rounds_tokens_s"]) == 3 and len(c["rounds_ttft_s"]) == 3
+        assert c["tokens_s"] == sorted(c["rounds_tokens_s"])[1]
+        assert all(t == "same" or t.startswith("differ at ") for t in c["rounds_tokens_vs_eager"])
 
 
 @pytest.mark.parametrize("qtype", ["bf16", "q8_0"])

@@ -258,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         help="instead: a Qwen3-MoE-shaped model (3.5 GB, checkpoint written once under DIR) decoded on the CPU: resident, ours from RAM "
         "and from the SSD, accelerate's disk offload, llama.cpp where installed, each in its own process (see moe_bench)",
     )  # fmt: skip
+    ap.add_argument(
+        "--moe-rounds", type=int, default=1,
+        help="--moe: interleaved rounds of every case, the order rotating; per case the round of the median tokens/s (default 1)",
+    )  # fmt: skip
     ap.add_argument("--tiny", action="store_true", help="--moe: a tiny model, seconds (a test of the harness: the figures mean nothing)")
     ap.add_argument(
         "--moe-cases", default=None,
@@ -316,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(args.moe, exist_ok=True)
         cases = tuple(args.moe_cases.split(",")) if args.moe_cases else moe_bench.CASES
         try:
-            mres = moe_bench.run(args.moe, tiny=args.tiny, cases=cases, threads=args.threads)
+            mres = moe_bench.run(args.moe, tiny=args.tiny, cases=cases, threads=args.threads, rounds=args.moe_rounds)
         except ValueError as e:
             ap.error(str(e))
         _write_json(args.json, mres)

@@ -490,14 +490,16 @@ def run_case(name: str, spec: dict[str, Any]) -> dict[str, Any]:
             kw = dict(storage="nvme", nvme_dir=nvme, host_budget_gb=budget / GiB)
         # The layer-granular offload's RAM ring (prefetch + 1 layers) counts in host_budget_gb: the
         # most read-ahead the budget holds, 2 (the default) where it fits.
-        for prefetch in (2, 1, 0):
+        prefetch = 2
+        for prefetch in (2, 1, 0) if kw else ():
             try:
                 offload_adam.plan_weights(model, device="cpu", checkpoint=ckpt, prefetch=prefetch, **kw)
                 break
             except ValueError:
                 if prefetch == 0:
                     raise
-        out["prefetch"] = prefetch
+        if kw:
+            out["prefetch"] = prefetch
         handle = offload_adam.offload_weights(model, device="cpu", checkpoint=ckpt, num_threads=threads, prefetch=prefetch, **kw)
         out["experts_implementation"] = model.config._experts_implementation
         dec = _Torch(model)
@@ -600,13 +602,37 @@ def _same(tokens: list[int], ref: list[int] | None) -> str:
     return "same"
 
 
+def _median(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A case over its rounds: the round of the median decode rate (its other figures with it),
+    and every round's rate, TTFT and token comparison; a round that failed is the case's error."""
+    bad = [r for r in runs if "error" in r]
+    if bad:
+        return bad[0]
+    ranked = sorted(runs, key=lambda r: r["tokens_s"])
+    out = dict(ranked[(len(ranked) - 1) // 2])
+    out["rounds_tokens_s"] = [r["tokens_s"] for r in runs]
+    out["rounds_ttft_s"] = [r["ttft_s"] for r in runs]
+    out["rounds_tokens_vs_eager"] = [r["tokens_vs_eager"] for r in runs]
+    return out
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    """The median over rounds of ``a``'s decode rate over ``b``'s in the same round."""
+    import statistics
+
+    return statistics.median(x / y for x, y in zip(a["rounds_tokens_s"], b["rounds_tokens_s"]))
+
+
 def run(
     root: str, *, tiny: bool = False, cases: tuple[str, ...] = CASES, threads: int | None = None, prompt_len: int | None = None,
-    tokens: int | None = None, isolate: bool = True, timeout: float = 3600.0,
+    tokens: int | None = None, isolate: bool = True, timeout: float = 3600.0, rounds: int = 1,
 ) -> dict[str, Any]:  # fmt: skip
-    """Every case of ``cases`` (in a subprocess of its own unless ``isolate=False``), the rates, the
-    table; returns what the JSON holds."""
+    """Every case of ``cases`` (in a subprocess of its own unless ``isolate=False``), ``rounds``
+    times in interleaved rounds, the rates, the table; returns what the JSON holds."""
     from ..weights import costs
+
+    if rounds < 1:
+        raise ValueError(f"rounds must be at least 1, got {rounds}")
 
     unknown = [n for n in cases if n not in CASES]
     if unknown:
@@ -655,31 +681,34 @@ def run(
     spec_path = os.path.join(root, "moe-bench-spec.json")
     with open(spec_path, "w") as f:
         json.dump(spec, f)
-    results = []
-    for name in todo:
-        print(f"  {TITLES[name]} ...", flush=True)
-        if isolate:
-            res = _subprocess(name, spec_path, os.path.join(root, f"moe-bench-{name}.json"), timeout)
-        else:
-            try:
-                res = run_case(name, spec)
-            except Exception as e:  # noqa: BLE001 (a case that fails is reported, the others run)
-                res = {"case": name, "title": TITLES[name], "error": f"{type(e).__name__}: {e}"}
-        if "error" in res:
-            print(f"    failed: {res['error']}")
-        results.append(res)
-    ref = next((r["tokens"] for r in results if r["case"] == REFERENCE and "tokens" in r), None)
-    for r in results:
-        if "error" in r:
-            continue
-        _bound(r, figs.active_bytes, disk, host)
-        r["tokens_vs_eager"] = _same(r["tokens"], ref)
-        r.setdefault("experts", {"hit_rate": None})
+    per: dict[str, list[dict[str, Any]]] = {n: [] for n in todo}
+    for rnd in range(rounds):  # interleaved rounds, the order rotating (the machine may be shared)
+        k = rnd % len(todo) if todo else 0
+        for name in todo[k:] + todo[:k]:
+            print(f"  {TITLES[name]}{f' (round {rnd + 1} of {rounds})' if rounds > 1 else ''} ...", flush=True)
+            if isolate:
+                res = _subprocess(name, spec_path, os.path.join(root, f"moe-bench-{name}.json"), timeout)
+            else:
+                try:
+                    res = run_case(name, spec)
+                except Exception as e:  # noqa: BLE001 (a case that fails is reported, the others run)
+                    res = {"case": name, "title": TITLES[name], "error": f"{type(e).__name__}: {e}"}
+            if "error" in res:
+                print(f"    failed: {res['error']}")
+            per[name].append(res)
+    ref = next((r["tokens"] for r in per.get(REFERENCE, []) if "tokens" in r), None)
+    for runs in per.values():
+        for r in runs:
+            if "error" not in r:
+                _bound(r, figs.active_bytes, disk, host)
+                r["tokens_vs_eager"] = _same(r["tokens"], ref)
+                r.setdefault("experts", {"hit_rate": None})
+    results = [_median(runs) for runs in per.values()]
     out = {
         "model": {"shape": asdict(shape), "params": figs.total_params, "active_params": figs.active_params,
                   "active_bytes_per_token": figs.active_bytes, "checkpoint": ckpt, "checkpoint_bytes": weights,
                   "host_budget_bytes": budget, "expected_ssd_bytes_per_token_at_budget": figs.cache(budget).ssd_bytes_per_token},
-        "run": {"prompt": prompt_len, "tokens": tokens, "threads": threads, "tiny": tiny, "isolated": isolate},
+        "run": {"prompt": prompt_len, "tokens": tokens, "threads": threads, "tiny": tiny, "isolated": isolate, "rounds": rounds},
         "machine": {"disk_read_gbs": disk, "host_read_gbs": host, "load_avg": os.getloadavg()},
         "cases": results, "notes": notes,
     }  # fmt: skip
@@ -713,8 +742,8 @@ def _print(res: dict[str, Any]) -> dict[str, Any]:
         t["b_of_host_bound"] = b["of_bound"] if b["bound_by"] == "host" else None
         line = f"  targets: (b) at {b['of_bound']:.2f} of its {b['bound_by']}-read bound (target >= 0.7)"
         if e is not None and "error" not in e:
-            t["b_over_llama_cpp_bf16"] = b["tokens_s"] / e["tokens_s"]
-            line += f"; (b) {t['b_over_llama_cpp_bf16']:.2f}x llama.cpp BF16 (target >= 1.0x)"
+            t["b_over_llama_cpp_bf16"] = _ratio(b, e)
+            line += f"; (b) {t['b_over_llama_cpp_bf16']:.2f}x llama.cpp BF16 (target >= 1.0x; median of per-round ratios)"
         else:
             line += "; (b) against llama.cpp BF16: not measured"
         print(line)
@@ -725,7 +754,7 @@ def _print(res: dict[str, Any]) -> dict[str, Any]:
         ideal = res["model"]["expected_ssd_bytes_per_token_at_budget"]
         t["c_read_over_expected"] = c["read_bytes_per_token"] / ideal if ideal else None
         print(
-            f"  targets: (c) at {c['of_bound']:.2f} of its {c['bound_by']} bound (target >= 0.8); page cache grew "
+            f"  targets: (c) (prefetch {c.get('prefetch')}) at {c['of_bound']:.2f} of its {c['bound_by']} bound (target >= 0.8); page cache grew "
             f"{t['c_page_cache_over_read']:.1%} of the {read / M:.0f} MB it read (target: flat); it read "
             f"{c['read_bytes_per_token'] / M:.1f} MB per token where an expert cache of its budget reads "
             f"{ideal / M:.1f} MB at a uniform routing (plan's figure)"

@@ -15,6 +15,14 @@ import torch
 from offload_adam.tools import moe_bench
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _threads_kept() -> Any:
+    """The tiny runs decode on one thread (torch.set_num_threads, process-wide): set back after."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("moe")

@@ -172,3 +172,22 @@ def test_the_resident_model_holds_its_weights_in_ram(tmp_path: Path) -> None:
             f.write(bytes(size - size // 2))
     for n, p in model.named_parameters():
         assert torch.equal(p, moe_bench._tensor(n, p.shape)), n
+
+
+def test_a_failed_accelerate_load_leaves_no_offload_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """accelerate writes the offloaded weights as it loads: a load that fails halfway removes
+    them too (a gigabyte-sized folder left under DIR at the full size)."""
+    import accelerate  # type: ignore[import-untyped]
+
+    def half(model: Any, ckpt: str, *, offload_folder: str, **kw: Any) -> Any:
+        os.makedirs(offload_folder, exist_ok=True)
+        Path(offload_folder, "model.layers.0.weight.dat").write_bytes(b"x" * 4096)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(accelerate, "load_checkpoint_and_dispatch", half)
+    shape = moe_bench.TINY
+    spec = {"shape": moe_bench.asdict(shape), "checkpoint": moe_bench.checkpoint(str(tmp_path), shape), "dir": str(tmp_path),
+            "prompt": [3, 4, 5], "tokens": 2, "threads": torch.get_num_threads(), "budget_bytes": 1e5}  # fmt: skip
+    with pytest.raises(RuntimeError, match="disk full"):
+        moe_bench.run_case("d-accelerate-disk", spec)
+    assert not (tmp_path / "accelerate-offload").exists()

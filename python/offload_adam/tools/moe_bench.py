@@ -455,22 +455,36 @@ def _load_resident(ckpt: str, cfg: Any) -> Any:
     return model
 
 
+def _gguf(spec: dict[str, Any], name: str) -> list[str]:
+    """The GGUF file an ``e-`` case reads (written by the parent), else nothing."""
+    if not name.startswith("e-"):
+        return []
+    return [os.path.join(spec["dir"], f"{Shape(**spec['shape']).tag}-{name.rsplit('-', 1)[-1]}.gguf")]
+
+
 def run_case(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     """One case, in this process: loads, measures, returns its figures (no bound: the parent
     computes it from the rates it measured)."""
+    if name not in CASES:
+        raise ValueError(f"case: one of {CASES}, got {name!r}")
+    torch.set_num_threads(int(spec["threads"]))
+    drop_pages([spec["checkpoint"], *_gguf(spec, name)])
+    out: dict[str, Any] = {"case": name, "title": TITLES[name]}
+    cleanup: list[Any] = []
+    try:
+        return _run_case(name, spec, out, cleanup)
+    finally:
+        for f in cleanup:
+            f()
+
+
+def _run_case(name: str, spec: dict[str, Any], out: dict[str, Any], cleanup: list[Any]) -> dict[str, Any]:
     shape = Shape(**spec["shape"])
     threads = int(spec["threads"])
-    torch.set_num_threads(threads)
     ckpt, prompt, tokens, budget = spec["checkpoint"], spec["prompt"], int(spec["tokens"]), float(spec["budget_bytes"])
     cfg = config(shape)
-    own: list[str] = []  # the case's own files, beside the checkpoint
-    gguf_path = os.path.join(spec["dir"], f"{shape.tag}-{name.rsplit('-', 1)[-1]}.gguf")
-    if name.startswith("e-"):
-        own = [gguf_path]
-    drop_pages([ckpt, *own])
-    out: dict[str, Any] = {"case": name, "title": TITLES[name]}
+    own = _gguf(spec, name)  # the case's own files, beside the checkpoint
     handle = None
-    cleanup: list[Any] = []
     t0 = time.perf_counter()
     if name in ("a-default", "a-eager"):
         model = _load_resident(ckpt, cfg)
@@ -504,19 +518,23 @@ def run_case(name: str, spec: dict[str, Any]) -> dict[str, Any]:
         out["experts_implementation"] = model.config._experts_implementation
         dec = _Torch(model)
     elif name == "d-accelerate-disk":
+        import shutil
+
         import accelerate
 
         model = _empty_model(cfg)
         folder = os.path.join(spec["dir"], "accelerate-offload")
         own = [folder]
         dmap = accelerate_device_map(model, budget)
-        model = accelerate.load_checkpoint_and_dispatch(model, ckpt, device_map=dmap, offload_folder=folder, dtype=torch.bfloat16)
+        try:
+            model = accelerate.load_checkpoint_and_dispatch(model, ckpt, device_map=dmap, offload_folder=folder, dtype=torch.bfloat16)
+        finally:
+            cleanup.append(lambda: shutil.rmtree(folder, ignore_errors=True))
         out["cpu_modules"] = sum(1 for v in dmap.values() if v == "cpu")
         out["disk_modules"] = sum(1 for v in dmap.values() if v == "disk")
-        cleanup.append(lambda: __import__("shutil").rmtree(folder, ignore_errors=True))
         dec = _Torch(model)
     elif name.startswith("e-"):
-        dec = _Llama(gguf_path, n_ctx=len(prompt) + tokens + 16, n_batch=len(prompt), threads=threads)
+        dec = _Llama(own[0], n_ctx=len(prompt) + tokens + 16, n_batch=len(prompt), threads=threads)
     else:
         raise ValueError(f"case: one of {CASES}, got {name!r}")
     out["setup_s"] = time.perf_counter() - t0
@@ -533,8 +551,6 @@ def run_case(name: str, spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         if handle is not None:
             handle.close()
-        for f in cleanup:
-            f()
     return out
 
 

@@ -43,9 +43,11 @@ def test_every_case_runs_and_reports_its_figures(tiny_run: dict[str, Any]) -> No
         assert len(c["tokens"]) == tiny_run["run"]["tokens"]
         assert c["tokens_s"] > 0 and c["ttft_s"] > 0 and c["peak_rss_bytes"] > 0
         assert c["read_bytes_per_token"] >= 0 and c["bound_by"] in ("disk", "host") and c["bound_tokens_s"] > 0
-        assert c["tokens_vs_eager"] == "same" or c["tokens_vs_eager"].startswith("differ at ")
+        for key in ("tokens_vs_eager", "tokens_vs_default"):
+            assert c[key] == "same" or c[key].startswith("differ at "), (name, key)
         assert "hit_rate" in c["experts"]
     assert cases["a-eager"]["tokens_vs_eager"] == "same" and cases["a-eager"]["experts_implementation"] == "eager"
+    assert cases["a-default"]["tokens_vs_default"] == "same"
     assert cases["a-default"]["experts_implementation"] != "eager"
     # ours from the SSD within a quarter of the weights reads some every token, through O_DIRECT
     assert cases["c-ours-nvme"]["decode_read_bytes"] > 0

@@ -713,11 +713,13 @@ def run(
                 print(f"    failed: {res['error']}")
             per[name].append(res)
     ref = next((r["tokens"] for r in per.get(REFERENCE, []) if "tokens" in r), None)
+    default = next((r["tokens"] for r in per.get("a-default", []) if "tokens" in r), None)
     for runs in per.values():
         for r in runs:
             if "error" not in r:
                 _bound(r, figs.active_bytes, disk, host)
                 r["tokens_vs_eager"] = _same(r["tokens"], ref)
+                r["tokens_vs_default"] = _same(r["tokens"], default)
                 r.setdefault("experts", {"hit_rate": None})
     results = [_median(runs) for runs in per.values()]
     out = {
@@ -748,7 +750,7 @@ def _print(res: dict[str, Any]) -> dict[str, Any]:
             f"  {c['title']:<46} {c['tokens_s']:7.2f} {c['ttft_s']:7.2f} {c['read_bytes_per_token'] / M:10.1f} "
             f"{moe_plan.hit_rate_words(c['experts']['hit_rate']):>5} {c['peak_rss_bytes'] / GiB:6.2f} GiB "
             f"{c['page_cache_growth_bytes'] / M:6.0f}MB {c['bound_tokens_s']:7.2f} ({c['bound_by']}) {c['of_bound']:8.2f}  "
-            f"{c['tokens_vs_eager']}"
+            f"{c['tokens_vs_eager']}{'; = default' + chr(39) + 's' if c['tokens_vs_eager'] != 'same' and c['tokens_vs_default'] == 'same' else ''}"
         )
     for n in res["notes"]:
         print(f"  {n}")

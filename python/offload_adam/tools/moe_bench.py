@@ -45,7 +45,6 @@ import subprocess
 import sys
 import time
 import zlib
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -162,15 +161,6 @@ def checkpoint(root: str, shape: Shape) -> str:
 
 def _shards(ckpt: str) -> list[str]:
     return sorted(os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".safetensors"))
-
-
-def _read(ckpt: str) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors import safe_open
-
-    for shard in _shards(ckpt):
-        with safe_open(shard, "pt") as f:
-            for n in f.keys():  # noqa: SIM118 (safe_open has keys(), no iteration)
-                yield n, f.get_tensor(n)
 
 
 # --- GGUF --------------------------------------------------------------------------------------

@@ -193,3 +193,32 @@ def test_a_failed_accelerate_load_leaves_no_offload_folder(tmp_path: Path, monke
     with pytest.raises(RuntimeError, match="disk full"):
         moe_bench.run_case("d-accelerate-disk", spec)
     assert not (tmp_path / "accelerate-offload").exists()
+
+
+def test_ours_loads_the_model_first_where_the_offload_refuses_the_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offload that cannot fill some weights from checkpoint= (the expert offload's first
+    version stores routed experts from the model's own tensors) is measured on the model loaded
+    into RAM first, and the case says so; a read-ahead the budget refuses falls back to less."""
+    import offload_adam
+
+    real = offload_adam.plan_weights
+    seen: list[tuple[bool, int]] = []
+
+    def plan(model: Any, *a: Any, checkpoint: Any = None, prefetch: int = 2, **kw: Any) -> Any:
+        seen.append((checkpoint is not None, prefetch))
+        if checkpoint is not None:
+            raise ValueError("model: experts on the meta device (checkpoint= does not fill them)")
+        if prefetch > 1:
+            raise ValueError("host_budget_gb: smaller than the ring")
+        return real(model, *a, prefetch=prefetch, **kw)
+
+    monkeypatch.setattr(offload_adam, "plan_weights", plan)
+    shape = moe_bench.TINY
+    (tmp_path / "nvme").mkdir()
+    spec = {"shape": moe_bench.asdict(shape), "checkpoint": moe_bench.checkpoint(str(tmp_path), shape), "dir": str(tmp_path),
+            "prompt": [3, 4, 5, 6], "tokens": 3, "threads": torch.get_num_threads(), "budget_bytes": 1 << 30}  # fmt: skip
+    out = moe_bench.run_case("c-ours-nvme", spec)
+    assert out["loaded"].startswith("into RAM first (checkpoint= refused: model: experts on the meta device")
+    assert out["prefetch"] == 1 and len(out["tokens"]) == 3 and out["report"]["storage"] == "nvme"
+    assert seen == [(True, 2), (True, 1), (True, 0), (False, 2), (False, 1)]
+    assert os.listdir(tmp_path / "nvme") == []

@@ -403,9 +403,10 @@ def _jsonable(x: Any) -> Any:
 
 def expert_figures(report: dict[str, Any]) -> dict[str, Any]:
     """The expert figures of an offload's ``report()``: every entry under a key naming experts
-    (``"expert..."``), and the hit rate: hits over hits and misses (every count whose key names
-    a miss: copied, computed on the CPU, read), of the ``"decode"`` phase where the figures are per
-    phase, else of all. ``{"hit_rate": None}`` where the report has no expert figures (the
+    (``"expert..."``), and the hit rate: hits over hits and misses (the counts named ``hits`` and
+    ``misses`` where there are such, else every count whose key names a hit or a miss: copied,
+    computed on the CPU, read), of the ``"decode"`` phase where the figures are per phase, else
+    of all. ``{"hit_rate": None}`` where the report has no expert figures (the
     layer-granular offload)."""
     found: dict[str, Any] = {}
 
@@ -420,7 +421,9 @@ def expert_figures(report: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"figures": found, "hit_rate": None}
 
     def count(word: str, keys: list[str]) -> float:
-        return float(sum(found[k] for k in keys if word in k.rsplit(".", 1)[-1] and "byte" not in k.rsplit(".", 1)[-1]))
+        last = [k for k in keys if "byte" not in k.rsplit(".", 1)[-1]]
+        exact = [k for k in last if k.rsplit(".", 1)[-1] == word + "es" or k.rsplit(".", 1)[-1] == word + "s"]
+        return float(sum(found[k] for k in exact or [k for k in last if word in k.rsplit(".", 1)[-1]]))
 
     decode = [k for k in found if ".decode." in f".{k}." or k.endswith(".decode")]
     for keys in (decode, list(found)):
@@ -492,19 +495,23 @@ def _run_case(name: str, spec: dict[str, Any], out: dict[str, Any], cleanup: lis
             os.makedirs(nvme, exist_ok=True)
             own = [nvme]
             kw = dict(storage="nvme", nvme_dir=nvme, host_budget_gb=budget / GiB)
-        # The layer-granular offload's RAM ring (prefetch + 1 layers) counts in host_budget_gb: the
-        # most read-ahead the budget holds, 2 (the default) where it fits.
-        prefetch = 2
-        for prefetch in (2, 1, 0) if kw else ():
-            try:
-                offload_adam.plan_weights(model, device="cpu", checkpoint=ckpt, prefetch=prefetch, **kw)
-                break
-            except ValueError:
-                if prefetch == 0:
-                    raise
+        # The weights read from the checkpoint as they are offloaded (checkpoint=: no second copy
+        # in RAM); where the offload refuses that, the model loaded into RAM first (its peak RSS
+        # then counts the load; "loaded" says which). The layer-granular offload's RAM ring
+        # (prefetch + 1 layers) counts in host_budget_gb: the most read-ahead the budget holds,
+        # 2 (the default) where it fits. plan_weights says, building nothing.
+        prefetch, src, why = _plan(model, ckpt, kw)
+        if src is None:
+            model = _load_resident(ckpt, cfg)
+            prefetch, _, why2 = _plan(model, None, kw)
+            out["loaded"] = f"into RAM first (checkpoint= refused: {why})"
+            if prefetch is None:
+                raise ValueError(why2)
+        else:
+            out["loaded"] = "from the checkpoint (checkpoint=)"
         if kw:
             out["prefetch"] = prefetch
-        handle = offload_adam.offload_weights(model, device="cpu", checkpoint=ckpt, num_threads=threads, prefetch=prefetch, **kw)
+        handle = offload_adam.offload_weights(model, device="cpu", checkpoint=src, num_threads=threads, prefetch=prefetch, **kw)
         out["experts_implementation"] = model.config._experts_implementation
         dec = _Torch(model)
     elif name == "d-accelerate-disk":
@@ -542,6 +549,21 @@ def _run_case(name: str, spec: dict[str, Any], out: dict[str, Any], cleanup: lis
         if handle is not None:
             handle.close()
     return out
+
+
+def _plan(model: Any, ckpt: str | None, kw: dict[str, Any]) -> tuple[Any, Any, str]:
+    """(prefetch, checkpoint, "") of the first read-ahead of 2, 1, 0 (2 alone without a host
+    budget) that ``plan_weights`` accepts for ``model`` from ``ckpt``; (None, None, why) where none is."""
+    import offload_adam
+
+    why = ""
+    for prefetch in (2, 1, 0) if kw else (2,):
+        try:
+            offload_adam.plan_weights(model, device="cpu", checkpoint=ckpt, prefetch=prefetch, **kw)
+            return prefetch, ckpt, ""
+        except ValueError as e:
+            why = str(e)
+    return None, None, why
 
 
 def accelerate_device_map(model: Any, budget: float) -> dict[str, str]:
@@ -744,6 +766,9 @@ def _print(res: dict[str, Any]) -> dict[str, Any]:
         )
     for n in res["notes"]:
         print(f"  {n}")
+    for c in res["cases"]:
+        if str(c.get("loaded", "")).startswith("into RAM"):
+            print(f"  {c['title']}: the model loaded {c['loaded']}")
     t: dict[str, Any] = {}
     b, c, e = by.get("b-ours-cpu"), by.get("c-ours-nvme"), by.get("e-llama.cpp-bf16")
     if b is not None and "error" not in b:

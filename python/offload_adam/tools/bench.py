@@ -272,6 +272,21 @@ def main(argv: list[str] | None = None) -> int:
         "--simulate", action="store_true",
         help="--weights, --gpu-placement: their GPU part at tiny sizes on the simulated device (a dry run of the bench: the figures mean nothing)",
     )  # fmt: skip
+    ap.add_argument(
+        "--moe", metavar="DIR",
+        help="instead: a Qwen3-MoE-shaped model (3.5 GB, checkpoint written once under DIR) decoded on the CPU: resident, ours from RAM "
+        "and from the SSD, accelerate's disk offload, llama.cpp where installed, each in its own process (see moe_bench)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--moe-rounds", type=int, default=1,
+        help="--moe: interleaved rounds of every case, the order rotating; per case the round of the median tokens/s (default 1)",
+    )  # fmt: skip
+    ap.add_argument("--tiny", action="store_true", help="--moe: a tiny model, seconds (a test of the harness: the figures mean nothing)")
+    ap.add_argument(
+        "--moe-cases", default=None,
+        help="--moe: comma-separated subset of a-default,a-eager,b-ours-cpu,c-ours-nvme,d-accelerate-disk,e-llama.cpp-bf16,e-llama.cpp-q8_0 "
+        "(default: all)",
+    )  # fmt: skip
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
     args = ap.parse_args(argv)
@@ -326,6 +341,17 @@ def main(argv: list[str] | None = None) -> int:
 
             pres["linear"] = linear_bench.run(rounds=args.rounds, threads=args.threads, model=True)
         _write_json(args.json, pres)
+        return 0
+    if args.moe:
+        from . import moe_bench
+
+        os.makedirs(args.moe, exist_ok=True)
+        cases = tuple(args.moe_cases.split(",")) if args.moe_cases else moe_bench.CASES
+        try:
+            mres = moe_bench.run(args.moe, tiny=args.tiny, cases=cases, threads=args.threads, rounds=args.moe_rounds)
+        except ValueError as e:
+            ap.error(str(e))
+        _write_json(args.json, mres)
         return 0
     if args.gpu_placement:
         from . import gpu_placement_bench

@@ -244,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         help="--linear: also decode the 4-layer 8B-class model, against llama.cpp where it installs",
     )  # fmt: skip
     ap.add_argument(
+        "--linear-kinds", default=",".join(("bf16", "int8", "fp8", "int4")),
+        help="--linear-model: the weight formats decoded, comma-separated (default bf16,int8,fp8,int4: each a model in memory)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--linear-no-torchao", action="store_true",
+        help="--linear-model: leave out torchao's eager decodes (an order of magnitude slower than the others)",
+    )  # fmt: skip
+    ap.add_argument(
         "--experts", action="store_true",
         help="instead: a Qwen3-MoE-like layer's routed experts at decode in one native call against the per-expert loop and transformers' (see experts_bench)",
     )  # fmt: skip
@@ -303,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.linear:
         from . import linear_bench
 
-        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model)
+        kinds = tuple(k for k in args.linear_kinds.split(",") if k)
+        if not kinds or set(kinds) - set(linear_bench.KINDS):
+            ap.error(f"--linear-kinds: {args.linear_kinds!r}: pick from {', '.join(linear_bench.KINDS)}")
+        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model, kinds=kinds, torchao_eager=not args.linear_no_torchao)
         _write_json(args.json, lres)
         return 0
     if args.experts:

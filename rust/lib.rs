@@ -17,6 +17,7 @@ pub mod isa;
 pub mod kernel;
 pub mod layout;
 pub mod linear;
+pub mod omp;
 pub mod pool;
 pub mod window;
 

@@ -10,6 +10,8 @@ then the scale and the bias, errs by at most ``gamma_(in+4) * sum|x w s|`` with
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -291,3 +293,132 @@ def test_a_quantized_bfloat16_model_is_as_close_to_float64_as_torchaos_path() ->
     with _Native(model):
         got, _ = _greedy(model, prompt)
     assert got == want
+
+
+# -- int4 (issue 35, point 3): torchao's CPU format, two codes per byte ------------------------------
+
+
+def int4_bound(k: int, group: int, abs_sum: torch.Tensor, y64: torch.Tensor, bf16_out: bool) -> torch.Tensor:
+    """``linear/int4.rs``'s bound: the grouped sums round at most ``group + 2 in / group + 1``
+    times per term, so ``bound`` with ``in + group`` over ``sum |x| (|q - 8| |s| + |z|) + |b|``."""
+    return bound(k + group, abs_sum, y64, bf16_out)
+
+
+def _int4_linear(n: int, k: int, group: int, dtype: torch.dtype, seed: int) -> tuple[torch.nn.Linear, torch.Tensor]:
+    """A Linear quantized by torchao's CPU int4 config, and its weight in float64 from torchao's
+    own quantization primitives (the codes and parameters ``Int4OpaqueTensor.from_hp`` packs),
+    not from the packed bytes: ``(q - 8) * scale + zero``."""
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization.quant_primitives import (
+        MappingType,
+        _choose_qparams_affine_tinygemm,
+        _quantize_affine_tinygemm,
+    )
+
+    torch.manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=True).to(dtype)
+    w = lin.weight.detach().clone()
+    scale, zero = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, [1, group], torch.int32, 0, 15, 1e-6, None, w.dtype)
+    q = _quantize_affine_tinygemm(w, [1, group], scale, zero, torch.int32, 0, 15)
+    s64 = scale.double().reshape(n, -1).repeat_interleave(group, 1)
+    z64 = zero.double().reshape(n, -1).repeat_interleave(group, 1)
+    quantization.quantize_(lin, PrototypeInt4WeightOnlyConfig(group_size=group))
+    return lin, torch.stack([(q.double() - 8) * s64 + z64, (q.double() - 8).abs() * s64.abs() + z64.abs()])
+
+
+@pytest.mark.skipif(hm.int4_layout() is None, reason="torch's CPU capability packs int4 in a layout the kernel does not read")
+@pytest.mark.parametrize("rows,k,n,group", [(1, 512, 96, 32), (3, 256, 80, 128), (9, 128, 64, 64), (16, 256, 48, 32)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_torchao_int4_on_every_path_is_within_its_bound(rows: int, k: int, n: int, group: int, dtype: torch.dtype) -> None:
+    """torchao's CPU int4 weight-only ``Linear`` (``Int4OpaqueTensor``: bytes packed by torch for
+    this CPU's capability) read by the kernel on every SIMD path and thread count, and through the
+    mode, within ``int4_bound`` of the float64 matmul over the weight torchao's quantization
+    defines; torchao's own F.linear (torch's int4 kernel) is held to the same bound plus the
+    rounding of each weight to float32 and of its output and bias."""
+    lin, (w64, wabs) = _int4_linear(n, k, group, dtype, rows + k)
+    w: Any = lin.weight
+    parts = hm.weight_parts(w)
+    assert not isinstance(parts, str) and parts.kind == "int4" and parts.group_size == group
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(n)).to(dtype)
+    bf16 = dtype == torch.bfloat16
+    y64, _ = reference(x, w64, lin.bias)
+    a = x.double().abs() @ wabs.T + lin.bias.double().abs()
+    lim = int4_bound(k, group, a, y64, bf16)
+    for simd in _native.simd_paths():
+        for threads in (1, 2):
+            out = torch.full((rows, n), float("nan"), dtype=dtype)
+            _native.linear_int4(x, w.qdata, w.scale_and_zero, lin.bias, group_size=group, layout=hm.int4_layout(), out=out, num_threads=threads, simd=simd)
+            assert bool(((out.double() - y64).abs() <= lim).all()), (simd, threads, float(((out.double() - y64).abs() - lim).max()))
+    mode = hm.NativeMatmul()
+    with torch.no_grad():
+        with mode:
+            ours = lin(x).double()
+        theirs = lin(x).double()
+    assert (mode.native_calls, mode.torch_calls) == (1, 0)
+    assert bool(((ours - y64).abs() <= lim).all())
+    # torch's kernel rounds each weight to float32 (2^-24 relative, twice: a product and a sum),
+    # and in bfloat16 rounds its output before torchao adds the bias, then again after.
+    theirs_lim = lim + 2.0**-23 * a + (2.0**-7 * (y64.abs() + lin.bias.double().abs() + lim) if bf16 else 0)
+    assert bool(((theirs - y64).abs() <= theirs_lim).all())
+    y = hm.linear_int4(x, w.qdata, w.scale_and_zero, lin.bias, group_size=group)
+    assert y.dtype == dtype and torch.equal(y.double(), ours)
+
+
+def test_int4_arguments_are_checked_before_anything_is_written() -> None:
+    lin, _ = _int4_linear(32, 64, 32, torch.bfloat16, 0)
+    w: Any = lin.weight
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    out = torch.zeros(2, 32, dtype=torch.bfloat16)
+    layout = hm.int4_layout() or "AVX512"
+
+    def err(**kw: Any) -> str:
+        args: dict[str, Any] = {"x": x, "qdata": w.qdata, "scale_and_zero": w.scale_and_zero, "group_size": 32, "layout": layout, "out": out}
+        with pytest.raises((TypeError, ValueError)) as e:
+            _native.linear_int4(**(args | kw))
+        return str(e.value)
+
+    assert err(layout="SVE256").startswith('layout: "SVE256" is not a CPU capability')
+    assert err(group_size=16).startswith("scale_and_zero: shape must be (in / group_size, out, 2) = (4, 32, 2)")
+    assert err(qdata=w.qdata.view(torch.int8)).startswith("qdata: dtype must be uint8")
+    assert err(qdata=w.qdata[:, :16].contiguous()).startswith("qdata: has 16 bytes per row")
+    assert err(scale_and_zero=w.scale_and_zero.to(torch.int8)).startswith("scale_and_zero: dtype must be float32")
+    assert err(out=torch.zeros(2, 32)).startswith("out: dtype must be the activations'")
+    assert err(group_size=3, scale_and_zero=torch.zeros(21, 32, 2, dtype=torch.bfloat16)).startswith("group_size: must be even")
+    assert bool((out == 0).all())
+    lin.weight.act_pre_scale = torch.ones(64, dtype=torch.bfloat16)  # type: ignore[union-attr]
+    reason = hm.weight_parts(lin.weight)
+    assert isinstance(reason, str) and "not weight-only" in reason
+
+
+@pytest.mark.skipif(not _native.omp_available(), reason="no OpenMP runtime (libgomp) in this process")
+def test_the_kernel_on_torchs_openmp_team_gives_its_own_bits() -> None:
+    """Issue 35, point 2: ``omp=True`` runs the kernel's blocks on torch's OpenMP team (libgomp's
+    GOMP_parallel) instead of its rayon pool: every output computed by the same code in the same
+    order, so the same bits, for every kind and thread count, through the mode too; from inside
+    a parallel region it runs on the pool."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 512, generator=g).to(torch.bfloat16)
+    for kind in ("bf16", "int8", "fp8"):
+        w, s, _ = weights(kind, 301, 512, g)
+        for threads in (1, 2, 3):
+            a = torch.empty(3, 301, dtype=torch.bfloat16)
+            b = torch.empty_like(a)
+            _native.linear(x, w, s, None, out=a, num_threads=threads)
+            _native.linear(x, w, s, None, out=b, num_threads=threads, omp=True)
+            assert torch.equal(a, b), (kind, threads)
+    lin, _ = _int4_linear(320, 512, 64, torch.bfloat16, 1)
+    want = torch.empty(3, 320, dtype=torch.bfloat16)
+    got = torch.empty_like(want)
+    w4: Any = lin.weight
+    layout = hm.int4_layout() or "AVX512"
+    _native.linear_int4(x, w4.qdata, w4.scale_and_zero, None, group_size=64, layout=layout, out=want, num_threads=2)
+    _native.linear_int4(x, w4.qdata, w4.scale_and_zero, None, group_size=64, layout=layout, out=got, num_threads=2, omp=True)
+    assert torch.equal(want, got)
+    with torch.no_grad(), hm.NativeMatmul():
+        off = lin(x)
+        hm.LINEAR_OMP = True
+        try:
+            on = lin(x)
+        finally:
+            hm.LINEAR_OMP = False
+    assert torch.equal(off, on)

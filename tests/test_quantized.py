@@ -31,7 +31,15 @@ torchao_q = pytest.importorskip("torchao.quantization")
 
 MODELS = {"gpt2": gpt2, "llama": llama}
 NATIVE_OFF: dict[str, Any] = {"native_matmul": False}  # (the kernel is tested against torch in test_native_dispatch)
-CONFIGS = {"int8": lambda: torchao_q.Int8WeightOnlyConfig(), "fp8": lambda: torchao_q.Float8WeightOnlyConfig()}
+
+def _int4_cpu() -> Any:
+    """torchao's CPU int4 weight-only: two codes per byte (issue 35, point 3)."""
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+
+    return PrototypeInt4WeightOnlyConfig(group_size=32)
+
+
+CONFIGS = {"int8": lambda: torchao_q.Int8WeightOnlyConfig(), "fp8": lambda: torchao_q.Float8WeightOnlyConfig(), "int4": _int4_cpu}
 
 
 def quantized(arch: str, kind: str, seed: int = 0, layers: int = 3) -> torch.nn.Module:
@@ -74,6 +82,10 @@ CASES = [
     ("gpt2", "fp8", "device-cpu", "cpu", 0),
     ("gpt2", "int8", "device-cpu", "nvme", 0),
     ("llama", "fp8", "device-cpu", "nvme", 2),
+    ("llama", "int4", "cpu", "nvme", 1),  # (torchao runs this format on the CPU only: no "stream")
+    ("gpt2", "int4", "cpu", "cpu", 1),
+    ("llama", "int4", "device-cpu", "cpu", 0),
+    ("llama", "int4", "device-cpu", "nvme", 1),
 ]
 
 

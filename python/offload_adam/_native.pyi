@@ -27,6 +27,8 @@ __all__ = [
     "dequantize",
     "qmap",
     "linear",
+    "linear_int4",
+    "omp_available",
     "experts",
 ]
 
@@ -116,6 +118,21 @@ def linear(
     out: Tensor,
     num_threads: int = 1,
     simd: str | None = None,
+    omp: bool = False,
+) -> None: ...
+def omp_available() -> bool: ...
+def linear_int4(
+    x: Tensor,
+    qdata: Tensor,
+    scale_and_zero: Tensor,
+    bias: Tensor | None = None,
+    *,
+    group_size: int,
+    layout: str,
+    out: Tensor,
+    num_threads: int = 1,
+    simd: str | None = None,
+    omp: bool = False,
 ) -> None: ...
 def experts(
     x: Tensor,

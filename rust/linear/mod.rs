@@ -60,6 +60,7 @@ use crate::elem::{bf16_to_f32, f16_to_f32, f32_to_bf16, Bf16, F16};
 use crate::error::{Error, Result};
 use crate::isa::Simd;
 
+pub mod int4;
 /// `$run::<P>(args)` with `P` the path of `$simd`: the one place a [`Simd`] becomes a path of
 /// this module (`linear` and `experts` both go through it).
 macro_rules! dispatch {
@@ -304,6 +305,13 @@ pub(crate) enum OutBlock<'a> {
 }
 
 impl OutBlock<'_> {
+    /// Its columns.
+    pub fn len(&self) -> usize {
+        match self {
+            OutBlock::F32(rows) => rows.first().map_or(0, |r| r.len()),
+            OutBlock::Bf16(rows) => rows.first().map_or(0, |r| r.len()),
+        }
+    }
     /// Writes the float32 results of one tile (`vals[r][j]`, rows `r0..`, columns `c0..` of the
     /// block), rounded to the output dtype.
     #[inline(always)]
@@ -413,5 +421,84 @@ pub fn linear(
         return Ok(());
     }
     dispatch!(simd, run(pool, &job, out));
+    Ok(())
+}
+
+/// [`run`]'s tasks on the process's OpenMP team of `threads` (torch's: `crate::omp`); the same
+/// split into tasks and so the same bits. The caller checked `crate::omp::usable()`.
+fn run_omp<P: LinearPath>(threads: usize, job: &Job<'_>, out: ActMut<'_>) {
+    let Shape { rows, n, .. } = job.shape;
+    let block = block_len(n, threads);
+    let prep = P::prepare(job);
+    let tasks: Vec<std::sync::Mutex<Option<(usize, OutBlock<'_>)>>> = match out {
+        ActMut::F32(o) => column_blocks(o, rows, n, block)
+            .into_iter()
+            .enumerate()
+            .map(|(b, v)| std::sync::Mutex::new(Some((b * block, OutBlock::F32(v)))))
+            .collect(),
+        ActMut::Bf16(o) => column_blocks(o, rows, n, block)
+            .into_iter()
+            .enumerate()
+            .map(|(b, v)| std::sync::Mutex::new(Some((b * block, OutBlock::Bf16(v)))))
+            .collect(),
+    };
+    let f = |i: usize| {
+        let task = tasks[i].lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some((o0, mut ob)) = task {
+            // SAFETY: as in `run`: `linear_omp` dispatched to `P` after checking that this CPU
+            // runs it, and validated the buffers against the shape.
+            unsafe { P::block(job, &prep, o0, &mut ob) }
+        }
+    };
+    let ran = threads > 1 && tasks.len() > 1 && crate::omp::run(threads, tasks.len(), &f);
+    if !ran {
+        (0..tasks.len()).for_each(f);
+    }
+}
+
+/// As [`linear`], its blocks run on the process's OpenMP team of `threads` (torch's intra-op
+/// threads, `crate::omp`) where it has one and the call is not inside a parallel region, else on
+/// `pool` as [`linear`] does. The result is [`linear`]'s, bit for bit.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_omp(
+    simd: Simd,
+    threads: usize,
+    pool: Option<&rayon::ThreadPool>,
+    shape: Shape,
+    x: Act<'_>,
+    w: Weight<'_>,
+    bias: Option<Act<'_>>,
+    out: ActMut<'_>,
+) -> Result<()> {
+    if !crate::omp::usable() {
+        return linear(simd, pool, shape, x, w, bias, out);
+    }
+    validate(shape, &x, &w, bias.as_ref(), &out)?;
+    if !simd.supported() {
+        return Err(Error::Value(format!(
+            "SIMD path {} is not supported by this CPU",
+            simd.name()
+        )));
+    }
+    let job = Job {
+        shape,
+        x,
+        w,
+        scale: w.scale().map_or_else(|| vec![1.0; shape.n], |s| s.per_row(shape.n)),
+        bias: bias.map_or_else(|| vec![0.0; shape.n], Act::to_f32),
+    };
+    if shape.rows == 0 || shape.n == 0 {
+        return Ok(());
+    }
+    match simd {
+        Simd::Scalar => run_omp::<reference::Scalar>(threads, &job, out),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => run_omp::<tile::Avx2Path>(threads, &job, out),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512 | Simd::Avx512Vbmi => run_omp::<tile::Avx512Path>(threads, &job, out),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx512Bf16 | Simd::Avx512Bf16Vbmi => run_omp::<tile::Avx512Bf16Path>(threads, &job, out),
+        _ => run_omp::<tile::PortablePath>(threads, &job, out),
+    }
     Ok(())
 }

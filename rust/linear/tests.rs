@@ -386,3 +386,38 @@ fn empty_shapes_write_nothing_and_in_zero_gives_the_bias() {
         .unwrap();
     }
 }
+
+/// `linear_omp` gives `linear`'s bits (here, without an OpenMP runtime in the test binary, on the
+/// pool; Python's tests run it on torch's team).
+#[test]
+fn linear_omp_is_linear_bit_for_bit() {
+    let c = case(3, 160, 301, 9);
+    let pool = crate::pool::get(2).unwrap();
+    for kind in KINDS {
+        let mut a = vec![0.0f32; 3 * 301];
+        let mut b = vec![1.0f32; 3 * 301];
+        let x = Act::F32(&c.x32);
+        linear(
+            Simd::best(),
+            pool.as_deref(),
+            c.shape,
+            x,
+            c.weight(kind),
+            None,
+            ActMut::F32(&mut a),
+        )
+        .unwrap();
+        linear_omp(
+            Simd::best(),
+            2,
+            pool.as_deref(),
+            c.shape,
+            x,
+            c.weight(kind),
+            None,
+            ActMut::F32(&mut b),
+        )
+        .unwrap();
+        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "{kind:?}");
+    }
+}

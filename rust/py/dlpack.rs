@@ -493,6 +493,7 @@ pub struct Torch {
     pub float16: Py<PyAny>,
     pub complex64: Py<PyAny>,
     pub int8: Py<PyAny>,
+    pub uint8: Py<PyAny>,
     pub int64: Py<PyAny>,
     pub float8_e4m3fn: Py<PyAny>,
     pub strided: Py<PyAny>,
@@ -510,6 +511,7 @@ pub fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
             float16: t.getattr("float16")?.unbind(),
             complex64: t.getattr("complex64")?.unbind(),
             int8: t.getattr("int8")?.unbind(),
+            uint8: t.getattr("uint8")?.unbind(),
             int64: t.getattr("int64")?.unbind(),
             float8_e4m3fn: t.getattr("float8_e4m3fn")?.unbind(),
             strided: t.getattr("strided")?.unbind(),
@@ -688,6 +690,8 @@ pub enum Elems<'a> {
     I8(&'a [i8]),
     /// float8_e4m3fn bit patterns.
     F8E4M3(&'a [u8]),
+    /// uint8 (packed int4 weights).
+    U8(&'a [u8]),
     I64(&'a [i64]),
 }
 
@@ -710,6 +714,7 @@ enum ViewDType {
     F16,
     I8,
     F8E4M3,
+    U8,
     I64,
 }
 
@@ -718,7 +723,7 @@ impl ViewDType {
         match self {
             ViewDType::F32 => 4,
             ViewDType::Bf16 | ViewDType::F16 => 2,
-            ViewDType::I8 | ViewDType::F8E4M3 => 1,
+            ViewDType::I8 | ViewDType::F8E4M3 | ViewDType::U8 => 1,
             ViewDType::I64 => 8,
         }
     }
@@ -747,6 +752,8 @@ impl<'a, 'py> HostView<'a, 'py> {
             ViewDType::I8
         } else if dt.is(&tc.float8_e4m3fn) {
             ViewDType::F8E4M3
+        } else if dt.is(&tc.uint8) {
+            ViewDType::U8
         } else if dt.is(&tc.int64) {
             ViewDType::I64
         } else {
@@ -797,6 +804,7 @@ impl<'a, 'py> HostView<'a, 'py> {
             ViewDType::F16 => "float16",
             ViewDType::I8 => "int8",
             ViewDType::F8E4M3 => "float8_e4m3fn",
+            ViewDType::U8 => "uint8",
             ViewDType::I64 => "int64",
         }
     }
@@ -811,6 +819,7 @@ impl<'a, 'py> HostView<'a, 'py> {
                 ViewDType::F16 => Elems::F16(&[]),
                 ViewDType::I8 => Elems::I8(&[]),
                 ViewDType::F8E4M3 => Elems::F8E4M3(&[]),
+                ViewDType::U8 => Elems::U8(&[]),
                 ViewDType::I64 => Elems::I64(&[]),
             };
         }
@@ -826,6 +835,7 @@ impl<'a, 'py> HostView<'a, 'py> {
                 ViewDType::F16 => Elems::F16(std::slice::from_raw_parts(p as *const F16, n)),
                 ViewDType::I8 => Elems::I8(std::slice::from_raw_parts(p as *const i8, n)),
                 ViewDType::F8E4M3 => Elems::F8E4M3(std::slice::from_raw_parts(p as *const u8, n)),
+                ViewDType::U8 => Elems::U8(std::slice::from_raw_parts(p as *const u8, n)),
                 ViewDType::I64 => Elems::I64(std::slice::from_raw_parts(p as *const i64, n)),
             }
         }

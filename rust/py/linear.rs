@@ -21,8 +21,11 @@ fn act<'a>(v: &HostView<'a, '_>, name: &str) -> PyResult<Act<'a>> {
 /// for the tensor). `bias` (float32 or bfloat16, `(out,)`) is optional; `out` is `(rows, out)`
 /// in `x`'s dtype and shares no memory with the inputs. Every tensor is a contiguous CPU tensor.
 /// Runs on `num_threads` threads (a pool of that size), GIL released.
+/// `omp`: its blocks on the process's OpenMP team of `num_threads` (torch's intra-op threads,
+/// `crate::omp`) where there is one, else on the pool; the same bits.
 #[pyfunction]
-#[pyo3(signature = (x, weight, scale=None, bias=None, *, out, num_threads=1, simd=None))]
+#[pyo3(signature = (x, weight, scale=None, bias=None, *, out, num_threads=1, simd=None, omp=false))]
+#[allow(clippy::too_many_arguments)]
 pub fn linear(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
@@ -32,6 +35,7 @@ pub fn linear(
     out: &Bound<'_, PyAny>,
     num_threads: usize,
     simd: Option<&str>,
+    omp: bool,
 ) -> PyResult<()> {
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
@@ -96,6 +100,111 @@ pub fn linear(
         ElemsMut::Bf16(o) => ActMut::Bf16(o),
     };
     let shape = Shape { rows, k, n };
+    if omp {
+        return py
+            .detach(|| core::linear_omp(simd, num_threads, pool.as_deref(), shape, xa, w, ba, o))
+            .map_err(err);
+    }
     py.detach(|| core::linear(simd, pool.as_deref(), shape, xa, w, ba, o))
         .map_err(err)
+}
+
+/// `out = x @ W.T + bias` for int4 weights as torchao's CPU format holds them
+/// (`crate::linear::int4`): `qdata` uint8 `(out, in / 2)` packed by torch's
+/// `_convert_weight_to_int4pack_for_cpu` under the CPU capability `layout` (`"AVX512"`, `"AVX2"`
+/// or `"DEFAULT"`), `scale_and_zero` `(in / group_size, out, 2)` (float32, bfloat16 or float16),
+/// `w = (q - 8) * scale + zero`. `x` is `(rows, in)` (float32 or bfloat16), `bias` optional
+/// `(out,)`, `out` `(rows, out)` in `x`'s dtype, sharing no memory with the inputs. Every tensor
+/// is a contiguous CPU tensor. Runs on `num_threads` threads, GIL released (`omp`: as `linear`'s).
+#[pyfunction]
+#[pyo3(signature = (x, qdata, scale_and_zero, bias=None, *, group_size, layout, out, num_threads=1, simd=None, omp=false))]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_int4(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    qdata: &Bound<'_, PyAny>,
+    scale_and_zero: &Bound<'_, PyAny>,
+    bias: Option<&Bound<'_, PyAny>>,
+    group_size: usize,
+    layout: &str,
+    out: &Bound<'_, PyAny>,
+    num_threads: usize,
+    simd: Option<&str>,
+    omp: bool,
+) -> PyResult<()> {
+    use crate::linear::int4::{self, Int4, Int4Layout};
+    let simd = simd_or_default(simd)?;
+    let pool = pool(num_threads)?;
+    let layout = Int4Layout::parse(layout).ok_or_else(|| {
+        value_error(format!(
+            "layout: {layout:?} is not a CPU capability torch packs int4 for (AVX512, AVX2 or DEFAULT)"
+        ))
+    })?;
+    let xv = HostView::new(x, "x")?;
+    let qv = HostView::new(qdata, "qdata")?;
+    let sv = HostView::new(scale_and_zero, "scale_and_zero")?;
+    let bv = bias.map(|b| HostView::new(b, "bias")).transpose()?;
+    let (&[rows, k], &[n, kh]) = (xv.shape.as_slice(), qv.shape.as_slice()) else {
+        return Err(value_error(format!(
+            "x and qdata must be 2-D, got shapes {:?} and {:?}",
+            xv.shape, qv.shape
+        )));
+    };
+    if kh * 2 != k {
+        return Err(value_error(format!(
+            "qdata: has {kh} bytes per row, x has {k} inputs (two per byte: expected {})",
+            k / 2
+        )));
+    }
+    if group_size == 0 || sv.shape != [k / group_size, n, 2] {
+        return Err(value_error(format!(
+            "scale_and_zero: shape must be (in / group_size, out, 2) = ({}, {n}, 2), got {:?}",
+            k.checked_div(group_size).unwrap_or(0),
+            sv.shape
+        )));
+    }
+    let Elems::U8(q) = qv.elems() else {
+        return Err(type_error("qdata: dtype must be uint8 (two int4 codes per byte)"));
+    };
+    let scale_zero = match sv.elems() {
+        Elems::F32(s) => Scale::F32(s),
+        Elems::Bf16(s) => Scale::Bf16(s),
+        Elems::F16(s) => Scale::F16(s),
+        _ => return Err(type_error("scale_and_zero: dtype must be float32, bfloat16 or float16")),
+    };
+    let w = Int4 {
+        q,
+        scale_zero,
+        group: group_size,
+        layout,
+    };
+    let xa = act(&xv, "x")?;
+    let ba = bv.as_ref().map(|b| act(b, "bias")).transpose()?;
+    let mut reads = vec![&xv, &qv, &sv];
+    reads.extend(bv.as_ref());
+    let mut ov = HostViewMut::new(HostView::new(out, "out")?, &reads, "out")?;
+    if ov.shape() != [rows, n] {
+        return Err(value_error(format!(
+            "out: shape must be ({rows}, {n}), got {:?}",
+            ov.shape()
+        )));
+    }
+    let o = match ov.elems_mut() {
+        ElemsMut::F32(o) => ActMut::F32(o),
+        ElemsMut::Bf16(o) => ActMut::Bf16(o),
+    };
+    let shape = Shape { rows, k, n };
+    if omp {
+        return py
+            .detach(|| int4::linear_int4_omp(simd, num_threads, pool.as_deref(), shape, xa, w, ba, o))
+            .map_err(err);
+    }
+    py.detach(|| int4::linear_int4(simd, pool.as_deref(), shape, xa, w, ba, o))
+        .map_err(err)
+}
+
+/// Whether the process has an OpenMP runtime (torch's libgomp) that `linear(..., omp=True)` runs on.
+#[pyfunction]
+pub fn omp_available() -> bool {
+    crate::omp::available()
 }

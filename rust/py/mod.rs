@@ -32,6 +32,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(functions::qmap, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_paths, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear, m)?)?;
+    m.add_function(wrap_pyfunction!(linear::linear_int4, m)?)?;
+    m.add_function(wrap_pyfunction!(linear::omp_available, m)?)?;
     m.add_function(wrap_pyfunction!(experts::experts, m)?)?;
     m.add_class::<io::IoEngine>()?;
     m.add_class::<io::IoTicket>()?;

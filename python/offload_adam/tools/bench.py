@@ -244,6 +244,14 @@ def main(argv: list[str] | None = None) -> int:
         help="--linear: also decode the 4-layer 8B-class model, against llama.cpp where it installs",
     )  # fmt: skip
     ap.add_argument(
+        "--linear-kinds", default=",".join(("bf16", "int8", "fp8", "int4")),
+        help="--linear-model: the weight formats decoded, comma-separated (default bf16,int8,fp8,int4: each a model in memory)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--linear-no-torchao", action="store_true",
+        help="--linear-model: leave out torchao's eager decodes (an order of magnitude slower than the others)",
+    )  # fmt: skip
+    ap.add_argument(
         "--experts", action="store_true",
         help="instead: a Qwen3-MoE-like layer's routed experts at decode in one native call against the per-expert loop and transformers' (see experts_bench)",
     )  # fmt: skip
@@ -263,6 +271,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--simulate", action="store_true",
         help="--weights, --gpu-placement: their GPU part at tiny sizes on the simulated device (a dry run of the bench: the figures mean nothing)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--moe", metavar="DIR",
+        help="instead: a Qwen3-MoE-shaped model (3.5 GB, checkpoint written once under DIR) decoded on the CPU: resident, ours from RAM "
+        "and from the SSD, accelerate's disk offload, llama.cpp where installed, each in its own process (see moe_bench)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--moe-rounds", type=int, default=1,
+        help="--moe: interleaved rounds of every case, the order rotating; per case the round of the median tokens/s (default 1)",
+    )  # fmt: skip
+    ap.add_argument("--tiny", action="store_true", help="--moe: a tiny model, seconds (a test of the harness: the figures mean nothing)")
+    ap.add_argument(
+        "--moe-cases", default=None,
+        help="--moe: comma-separated subset of a-default,a-eager,b-ours-cpu,c-ours-nvme,d-accelerate-disk,e-llama.cpp-bf16,e-llama.cpp-q8_0 "
+        "(default: all)",
     )  # fmt: skip
     ap.add_argument("--weights-gb", type=float, default=2.0, help="--weights: GB of bf16 weights (default 2)")
     ap.add_argument("--prefetch", type=int, default=2, help="--weights: blocks read ahead (default 2)")
@@ -288,7 +311,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.linear:
         from . import linear_bench
 
-        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model)
+        kinds = tuple(k for k in args.linear_kinds.split(",") if k)
+        if not kinds or set(kinds) - set(linear_bench.KINDS):
+            ap.error(f"--linear-kinds: {args.linear_kinds!r}: pick from {', '.join(linear_bench.KINDS)}")
+        lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model, kinds=kinds, torchao_eager=not args.linear_no_torchao)
         _write_json(args.json, lres)
         return 0
     if args.experts:
@@ -315,6 +341,17 @@ def main(argv: list[str] | None = None) -> int:
 
             pres["linear"] = linear_bench.run(rounds=args.rounds, threads=args.threads, model=True)
         _write_json(args.json, pres)
+        return 0
+    if args.moe:
+        from . import moe_bench
+
+        os.makedirs(args.moe, exist_ok=True)
+        cases = tuple(args.moe_cases.split(",")) if args.moe_cases else moe_bench.CASES
+        try:
+            mres = moe_bench.run(args.moe, tiny=args.tiny, cases=cases, threads=args.threads, rounds=args.moe_rounds)
+        except ValueError as e:
+            ap.error(str(e))
+        _write_json(args.json, mres)
         return 0
     if args.gpu_placement:
         from . import gpu_placement_bench

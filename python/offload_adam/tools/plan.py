@@ -33,6 +33,7 @@ on top of every GPU figure.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import re
 import textwrap
@@ -522,6 +523,17 @@ def inference(args: argparse.Namespace, r: Rates) -> None:
     if args.weight_dtype is not None:
         print(f"weights: {bpp:.4f} bytes per parameter: {counted}")
     _print_rates(r, args)
+    if args.moe is not None:
+        from . import moe_plan
+
+        figs = dataclasses.replace(args.moe, bytes_per_param=bpp)
+        print()
+        for line in moe_plan.describe(figs, budget_bytes=0.9 * args.host_gb * GB, disk_gbs=r.disk, host_gbs=r.host):
+            print(line)
+        print(
+            "  (the figures below are the layer-granular offload's: a streamed layer moves all its experts; an expert cache "
+            "on the GPU is not planned yet)"
+        )
     if weights + args.reserve_gb * GB <= args.gpu_gb * GB:
         print(f"\nThe model fits on the GPU whole ({weights / GB:.1f} GiB): model.cuda(), no offload needed.")
         return
@@ -738,7 +750,16 @@ def parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32),
     )
-    ap.add_argument("--params", type=parse_count, required=True, metavar="N", help="model parameters: 13B, 7e9, 350M (required)")
+    ap.add_argument(
+        "--params", type=parse_count, default=None, metavar="N",
+        help="model parameters: 13B, 7e9, 350M (required unless --config gives them)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--config", metavar="PATH", default=None,
+        help="a transformers config.json, or a folder with one (no weights): the parameters and layers from it and, for "
+        "a mixture of experts, with --inference its active parameters per token, expert bytes and the expert cache of "
+        "the host memory",
+    )  # fmt: skip
     ap.add_argument("--gpu-gb", type=float, required=True, help="GPU memory per rank, GiB (required)")
     ap.add_argument("--host-gb", type=float, required=True, help="host memory per rank, GiB (required)")
     ap.add_argument("--nvme-gb", type=float, default=0.0, help="NVMe space per rank, GiB (default: 0, none)")
@@ -766,7 +787,10 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--gpu-tflops", type=_positive, default=None, help="TFLOP/s one GPU achieves on the model (not its peak)")
     t.add_argument("--host-gbs", type=_positive, default=None, help="GB/s of host memory the CPU step reads and writes (default: 35; --this-machine: the calibration's first)")
     w = ap.add_argument_group("both")
-    w.add_argument("--layers", type=int, default=40, help="layers of the model, for the streamed weights' ring (default: 40)")
+    w.add_argument(
+        "--layers", type=int, default=None,
+        help="layers of the model, for the streamed weights' ring; with --config, the config's (default: 40)",
+    )  # fmt: skip
     w.add_argument("--prefetch", type=int, default=2, help="offload_weights(prefetch=...): the ring holds prefetch + 1 layers (default: 2)")
     w.add_argument("--pcie-gbs", type=_positive, default=None, help="host-to-device GB/s (default: 25; --this-machine: the calibration's first)")
     w.add_argument("--disk-gbs", type=_positive, default=None, help="SSD GB/s, reads and writes (default: 3; --this-machine: the calibration's first)")
@@ -788,6 +812,22 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     ap = parser()
     args = ap.parse_args(argv)
+    args.moe = None
+    if args.config is not None:
+        from . import moe_plan
+
+        try:
+            cfg = moe_plan.load_config(args.config)
+            params, args.moe = moe_plan.config_params(cfg)
+        except ValueError as e:
+            ap.error(str(e))
+        args.params = args.params or float(params)
+        if args.layers is None:
+            args.layers = int(getattr(cfg, "num_hidden_layers", 40))
+    if args.params is None:
+        ap.error("--params is required (or --config, a transformers config to take them from)")
+    if args.layers is None:
+        args.layers = 40
     for name in ("layers", "world_size", "tensor_params"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -9,18 +9,26 @@ through the native kernel, reading the weights in the layout they are stored and
 - ``bf16``: a plain bfloat16 ``[out, in]`` weight;
 - ``int8``: int8 ``qdata [out, in]`` with one scale per output row (or one for the tensor):
   ``w = qdata * scale`` (a zero point, if the tensor has one, must be all zeros);
-- ``fp8``: float8_e4m3fn ``qdata`` with its scale likewise.
+- ``fp8``: float8_e4m3fn ``qdata`` with its scale likewise;
+- ``int4``: torchao's CPU int4 weight-only format (``Int4OpaqueTensor``, made by
+  ``torchao.prototype.quantization.int4.PrototypeInt4WeightOnlyConfig``): uint8 ``qdata`` of two
+  codes per byte as torch's ``_convert_weight_to_int4pack_for_cpu`` packs them (its layout follows
+  torch's CPU capability: ``int4_layout``), ``scale_and_zero`` ``[in / group, out, 2]``,
+  ``w = (q - 8) * scale + zero`` per group of ``in`` (torch's ``_weight_int4pack_mm_for_cpu``).
 
 A quantized weight is recognised by what it flattens to (``__tensor_flatten__``: inner tensors
-named ``qdata`` and ``scale``, their dtypes and shapes), never by its class, and only as a
-weight-only format: a flatten context asking for activation quantization is not ours to run.
+named ``qdata`` and ``scale``, or ``qdata`` and ``scale_and_zero`` with a ``block_size`` of one
+group per row, their dtypes and shapes), never by its class, and only as a weight-only format: a
+flatten context asking for activation quantization is not ours to run.
 
 The kernel computes ``(sum of float32 products) * scale + bias`` in float32 and rounds once to
 the activations' dtype (float32 or bfloat16); the Rust tests hold it to a float64 reference
-within ``gamma_(in+4) * sum|x w s|`` (plus half a bfloat16 ulp for bfloat16 outputs).
+within ``gamma_(in+4) * sum|x w s|`` (plus half a bfloat16 ulp for bfloat16 outputs); int4
+weights within ``gamma_(in+group+4) * (sum |x| (|q - 8| |scale| + |zero|) + |bias|)``, the kernel
+summing each group first (``linear/int4.rs``).
 
 ``linear_rows`` is the ``torch.library`` custom op (``offload_adam::linear_rows``) over the
-kernel; ``linear`` its typed entry; ``weight_parts(weight)`` what the kernel reads of a weight
+kernel; ``linear`` its typed entry (``linear_int4_rows`` and ``linear_int4`` for int4 weights); ``weight_parts(weight)`` what the kernel reads of a weight
 (or why it cannot); ``NativeMatmul`` is the torch-function mode that sends each ``F.linear`` it
 sees to the kernel where the kernel applies (``offload_weights`` enters it around the blocks that
 run on the CPU: ``placement.HostCalls``; the benches and tests enter it around a model).
@@ -40,13 +48,19 @@ from torch.overrides import TorchFunctionMode
 
 from .. import _native
 
-Kind = Literal["bf16", "int8", "fp8"]
+Kind = Literal["bf16", "int8", "fp8", "int4"]
 
 # Rows at or below which a CPU-executed linear runs the native kernel: decode, and prompts short
 # enough that they are not better streamed to a GPU. On this project's AVX2 machine the kernel led
 # torch's bf16 and torchao's int8 linear at every row count up to 64 (``python -m offload_adam
 # bench --linear``, its rows table); 16 keeps it to the few rows it is built for.
 MAX_ROWS = 16
+
+# Whether the kernel's blocks run on torch's own OpenMP team (``_native.linear(..., omp=True)``:
+# libgomp's ``GOMP_parallel`` resolved from the process, issue 35 point 2) instead of the kernel's
+# rayon pool, which competes with torch's spinning OpenMP workers inside a model. The same bits
+# either way; left off until measured faster (``bench --linear --linear-model`` times both).
+LINEAR_OMP = False
 
 _KIND_OF_DTYPE: dict[torch.dtype, Kind] = {torch.bfloat16: "bf16", torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 _SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -58,7 +72,7 @@ def _linear_rows(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor |
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     out = torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype)
-    _native.linear(x2, weight, scale, bias, out=out, num_threads=num_threads)
+    _native.linear(x2, weight, scale, bias, out=out, num_threads=num_threads, omp=LINEAR_OMP)
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -108,13 +122,83 @@ def linear(
     return out
 
 
+# torch's CPU capabilities, as ``torch.backends.cpu.get_cpu_capability()`` names them, whose int4
+# packing the kernel reads (``linear/int4.rs``'s ``Int4Layout``).
+INT4_LAYOUTS = ("AVX512", "AVX2", "DEFAULT")
+
+
+def int4_layout() -> str | None:
+    """The layout torch packs int4 weights in here (``_convert_weight_to_int4pack_for_cpu``): its
+    CPU capability, ``AVX512``, ``AVX2`` or ``DEFAULT``; None for another one (the kernel does not
+    read its packing). A tensor packed under another capability is read wrongly, by torch's own
+    kernel too: the capability is the process's, not the tensor's."""
+    cap = torch.backends.cpu.get_cpu_capability().upper()
+    return cap if cap in INT4_LAYOUTS else None
+
+
+def _linear_int4_rows(
+    x: Tensor, qdata: Tensor, scale_and_zero: Tensor, bias: Tensor | None, group_size: int, layout: str, num_threads: int
+) -> Tensor:  # fmt: skip
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    n = qdata.shape[0]
+    out = torch.empty((x2.shape[0], n), dtype=x.dtype)
+    _native.linear_int4(
+        x2, qdata, scale_and_zero, bias, group_size=group_size, layout=layout, out=out, num_threads=num_threads, omp=LINEAR_OMP
+    )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("offload_adam::linear_int4_rows", mutates_args=(), device_types="cpu")
+def linear_int4_rows(
+    x: Tensor, qdata: Tensor, scale_and_zero: Tensor, bias: Tensor | None, group_size: int, layout: str, num_threads: int
+) -> Tensor:  # fmt: skip
+    """``F.linear`` of ``x`` (``(..., in)``) against int4 weights as torchao's CPU format holds
+    them (``qdata`` uint8 ``(out, in / 2)`` packed under torch's CPU capability ``layout``,
+    ``scale_and_zero`` ``(in / group_size, out, 2)``) on the native kernel. The result has
+    ``x``'s dtype."""
+    return _linear_int4_rows(x, qdata, scale_and_zero, bias, group_size, layout, num_threads)
+
+
+@linear_int4_rows.register_fake
+def _(
+    x: Tensor, qdata: Tensor, scale_and_zero: Tensor, bias: Tensor | None, group_size: int, layout: str, num_threads: int
+) -> Tensor:  # fmt: skip
+    return x.new_empty((*x.shape[:-1], qdata.shape[0]))
+
+
+def linear_int4(
+    x: Tensor, qdata: Tensor, scale_and_zero: Tensor, bias: Tensor | None = None, *, group_size: int,
+    num_threads: int | None = None,
+) -> Tensor:  # fmt: skip
+    """``F.linear`` of ``x`` against torchao's CPU int4 weights (an ``Int4OpaqueTensor``'s
+    ``qdata``, ``scale_and_zero`` and ``block_size[1]`` as ``group_size``), packed in this
+    process's layout (``int4_layout``). Threads default to ``torch.get_num_threads()``. Bad
+    arguments raise ``TypeError``/``ValueError`` naming them."""
+    layout = int4_layout()
+    if layout is None:
+        raise ValueError(f"qdata: torch's CPU capability {torch.backends.cpu.get_cpu_capability()} packs int4 in a layout the kernel does not read")
+    if x.dim() < 1:
+        raise ValueError("x: must have at least one dimension")
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if threads < 1:
+        raise ValueError(f"num_threads: must be at least 1, got {threads}")
+    if type(x) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling():
+        return _linear_int4_rows(x, qdata, scale_and_zero, bias, group_size, layout, threads)
+    out: Tensor = torch.ops.offload_adam.linear_int4_rows(x, qdata, scale_and_zero, bias, group_size, layout, threads)
+    return out
+
+
 @dataclass(frozen=True)
 class WeightParts:
-    """A weight as the kernel reads it: ``data`` (``[out, in]``) and, quantized, ``scale``."""
+    """A weight as the kernel reads it: ``data`` (``[out, in]``; int4: ``[out, in / 2]`` bytes)
+    and, quantized, ``scale`` (int4: ``scale_and_zero``, ``[in / group_size, out, 2]``)."""
 
     kind: Kind
     data: Tensor
     scale: Tensor | None
+    group_size: int = 0  # int4: inputs per scale and zero point
 
 
 def weight_parts(weight: Tensor) -> WeightParts | str:
@@ -144,6 +228,8 @@ def weight_parts(weight: Tensor) -> WeightParts | str:
     assert flatten is not None
     names, ctx = flatten()
     inner = {n: getattr(weight, n) for n in names}
+    if {"qdata", "scale_and_zero"} <= set(inner) <= {"qdata", "scale_and_zero", "act_pre_scale", "qzeros", "compensation"}:
+        return _int4_parts(weight, inner["qdata"], inner["scale_and_zero"])
     if set(inner) - {"qdata", "scale", "zero_point"} or not {"qdata", "scale"} <= set(inner):
         return f"{type(weight).__name__} flattens to {sorted(inner)}, not qdata and scale"
     if isinstance(ctx, dict) and ctx.get("act_quant_kwargs") is not None:
@@ -163,6 +249,29 @@ def weight_parts(weight: Tensor) -> WeightParts | str:
     if zp is not None and bool(zp.any()):
         return "zero_point is not all zeros (asymmetric quantization)"
     return WeightParts(kind, q, s)
+
+
+def _int4_parts(weight: Tensor, q: Tensor, sz: Tensor) -> WeightParts | str:
+    """``weight_parts`` of torchao's CPU int4 format (``Int4OpaqueTensor``, weight-only)."""
+    name = type(weight).__name__
+    if getattr(weight, "act_mapping_type", None) is not None or getattr(weight, "act_pre_scale", None) is not None:
+        return f"{name} quantizes or scales the activations too (not weight-only)"
+    block = getattr(weight, "block_size", None)
+    if not (isinstance(block, (list, tuple)) and len(block) == 2 and block[0] == 1 and isinstance(block[1], int)):
+        return f"{name} has block_size {block!r}, not one group of inputs per row"
+    group = block[1]
+    if int4_layout() is None:
+        return f"torch's CPU capability {torch.backends.cpu.get_cpu_capability()} packs int4 in a layout the kernel does not read"
+    if type(q) is not Tensor or type(sz) is not Tensor or not (q.is_cpu and sz.is_cpu):
+        return f"its inner tensors are on {q.device}, not the CPU"
+    out, k = weight.shape
+    if q.dtype != torch.uint8 or tuple(q.shape) != (out, k // 2) or k % 2 or not q.is_contiguous():
+        return f"qdata of dtype {q.dtype} and shape {tuple(q.shape)}: not two int4 codes per byte of a ({out}, {k}) weight"
+    if group < 2 or group % 2 or k % group or out % 16:
+        return f"group size {group} of a ({out}, {k}) weight: the kernel reads even groups that divide in, out a multiple of 16"
+    if sz.dtype not in _SCALE_DTYPES or tuple(sz.shape) != (k // group, out, 2) or not sz.is_contiguous():
+        return f"scale_and_zero of shape {tuple(sz.shape)} and dtype {sz.dtype}: not (in / group, out, 2)"
+    return WeightParts("int4", q, sz, group)
 
 
 _BF16_FASTER: dict[int, bool] = {}  # threads -> whether the kernel's bfloat16 1-row matmul beat torch's here
@@ -317,6 +426,8 @@ class NativeMatmul(TorchFunctionMode):
                 seen = self._learn(w)
             if seen[2] is None or seen[3] is not dtype or (grad and w.requires_grad):
                 return None
+            if seen[2] == "int4":
+                return self._int4(x, w, bias, grad)
             # Attribute reads only: the wrapper's methods go through its __torch_function__.
             data, scale = getattr(w, "qdata"), getattr(w, "scale")
             if type(data) is not Tensor or type(scale) is not Tensor or not (data.is_cpu and scale.is_cpu):
@@ -333,3 +444,24 @@ class NativeMatmul(TorchFunctionMode):
             if bias.shape[0] != data.shape[0] or not bias.is_contiguous() or (grad and bias.requires_grad):
                 return None
         return _linear_rows(x, data, scale, bias, torch.get_num_threads())
+
+    def _int4(self, x: Tensor, w: Tensor, bias: Any, grad: bool) -> Tensor | None:
+        """The kernel's ``F.linear`` of an int4 weight (``weight_parts``'s kind ``int4``), or None."""
+        data, sz = getattr(w, "qdata"), getattr(w, "scale_and_zero")
+        if type(data) is not Tensor or type(sz) is not Tensor or not (data.is_cpu and sz.is_cpu):
+            return None
+        n, k = w.shape
+        if data.dtype != torch.uint8 or tuple(data.shape) != (n, k // 2) or not (data.is_contiguous() and sz.is_contiguous()):
+            return None
+        group = getattr(w, "block_size")[1]
+        if sz.dtype not in _SCALE_DTYPES or tuple(sz.shape) != (k // group, n, 2) or x.shape[-1] != k:
+            return None
+        if bias is not None:
+            if type(bias) not in _PLAIN or bias.dtype is not x.dtype or not bias.is_cpu or bias.dim() != 1:
+                return None
+            if bias.shape[0] != n or not bias.is_contiguous() or (grad and bias.requires_grad):
+                return None
+        layout = int4_layout()
+        if layout is None:
+            return None
+        return _linear_int4_rows(x, data, sz, bias, group, layout, torch.get_num_threads())

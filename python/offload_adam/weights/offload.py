@@ -10,6 +10,7 @@ an ``Undo`` that puts the model back if any step fails."""
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import logging
 import resource
@@ -23,9 +24,12 @@ from torch import Tensor
 from ..runtime import checks
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
-from ..runtime.pinned import PinnedArena, trim_host_memory
+from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
 from . import arguments, costs, progress, summary
-from .blocks import Block, Entry, find_blocks, wrapped
+from ..runtime.pages import ALIGN
+from .blocks import TENSOR_ALIGN, Block, Entry, find_blocks, wrapped
+from .experts import DeviceCache, Experts, expert_params, find_experts
+from .expertstore import READ_AHEAD, ExpertsLayout, ExpertStore
 from .checkpoint import Checkpoint
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
@@ -62,9 +66,10 @@ class _Args:
     raw: dict[str, Any]
 
 
-def _prepare(model: torch.nn.Module, a: _Args, undo: Undo) -> tuple[list[Block], Any]:
+def _prepare(model: torch.nn.Module, a: _Args, undo: Undo) -> tuple[list[Block], Any, list[ExpertsLayout]]:
     """The model made ready to be cut into blocks (tied, quantized), and its blocks; the
-    checkpoint still to read (None once quantize= has read it). ``undo`` puts it back."""
+    checkpoint still to read (None once quantize= has read it); its fused routed experts, which
+    are in no block (``experts.py``: stored per expert). ``undo`` puts it back."""
     checkpoint = a.checkpoint
     tie = getattr(model, "tie_weights", None)
     if checkpoint is not None and callable(tie):
@@ -74,7 +79,8 @@ def _prepare(model: torch.nn.Module, a: _Args, undo: Undo) -> tuple[list[Block],
     if a.quantize is not None:
         quantize_blocks(model, a.blocks, checkpoint, a.quantize, a.keep, undo)
         checkpoint = None  # (read: the model is on the host now, quantized)
-    return find_blocks(model, a.blocks, a.keep), checkpoint
+    routed = find_experts(model, a.keep)
+    return find_blocks(model, a.blocks, a.keep | expert_params(routed)), checkpoint, routed
 
 
 def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Tensor]]:
@@ -154,7 +160,7 @@ class WeightOffload:
         self.num_threads = a.num_threads
         self.native_matmul = a.native_matmul
         with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
-            self.blocks, checkpoint = _prepare(model, a, undo)
+            self.blocks, checkpoint, routed = _prepare(model, a, undo)
             found = _plan_of(model, self.blocks, a)
             self.plan = found if plan is None else _matched(plan, found)
             warn_capped(self.plan, 4)
@@ -174,13 +180,19 @@ class WeightOffload:
             finally:
                 if ck is not None:
                     ck.close()
+            self.experts = self._experts(routed, a.nvme_dir, undo)
             self.homes = self._homes(undo)
             self.placer = self._placer(a.cost_model)
+            if self.experts is not None:
+                self.experts.cost_model = self.placer.cost_model  # (placement="auto": a miss on the device copied or run on the CPU)
             triggers = {id(m): b.index for b in self.blocks for m in b.modules}
             guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
             self.streamer = Streamer(device, self.blocks, self.plan, self.sources, self.meter, guess, self.placeholders, self.homes, self.placer)
             undo.add(self.streamer.close)
             self.host_calls = self._host_calls(undo)
+            if self.experts is not None:
+                self.experts.attach(model)  # (the last change: the model's experts run ours from here)
+                undo.add(self.experts.detach)
             self.closed = False
             setattr(model, ATTR, self)
 
@@ -215,6 +227,38 @@ class WeightOffload:
                 host.close()
             raise
         return Sources(host, nvme, {b.index for b in ram})
+
+    def _experts(self, routed: list[ExpertsLayout], nvme_dir: Any, undo: Undo) -> Experts | None:
+        """The fused routed experts stored per expert (``expertstore.py``), in RAM or on the SSD
+        with a RAM cache of what ``host_budget_gb`` leaves after the plan's RAM tier (the dense
+        blocks it keeps and its ring: a dense part is read every token, an expert only when
+        routed), their parameters on the meta device meanwhile."""
+        if not routed:
+            return None
+        p = self.plan
+        capacity = 0
+        if p.storage == "nvme" and p.host_budget is not None:
+            unit = max(align_up(lay.unit_bytes, ALIGN) for lay in routed)
+            left = p.host_budget - p.tier_bytes()["ram"] - READ_AHEAD * unit
+            capacity = min(max(0, left // unit), sum(lay.experts for lay in routed))
+        store = ExpertStore(routed, self.arena, nvme_dir if p.storage == "nvme" else None, capacity)
+        undo.add(store.close)
+        for lay in routed:
+            store.fill(lay)
+            for ep in lay.params:
+                _to_meta(Entry(ep.param, [f"{lay.name}.{ep.name}"]))
+                undo.keep(ep.param, functools.partial(store.restore, lay, [ep]))
+            trim_host_memory()
+        store.pin()
+        gpu = None
+        if p.on_device and p.gpu_budget is not None:
+            # The device's expert cache: what gpu_budget_gb leaves after the plan's device tier
+            # (resident blocks, buffers, the ring), in units of the largest expert.
+            unit = max(align_up(lay.unit_bytes, TENSOR_ALIGN) for lay in routed)
+            slots = min(max(0, (p.gpu_budget - p.tier_bytes()["device"]) // unit), sum(lay.experts for lay in routed))
+            if slots:
+                gpu = DeviceCache(self.device, slots, unit, self.meter)
+        return Experts(self.device, routed, store, self.native_matmul, self.num_threads, gpu)
 
     def _homes(self, undo: Undo) -> dict[int, list[Home]]:
         """Each streamed parameter's home: its host copy, which an optimizer's step writes (the
@@ -382,6 +426,9 @@ class WeightOffload:
         }
         for s in self.sources:
             out.update(s.io_stats())
+        if self.experts is not None:
+            out.update(self.experts.report())
+            out["page_cache_bytes"] += self.experts.store.page_cache_bytes()
         return out
 
     def __repr__(self) -> str:
@@ -411,6 +458,8 @@ class WeightOffload:
             self.host_calls.reset_stats()
         for s in self.sources:
             s.reset_stats()
+        if self.experts is not None:
+            self.experts.reset_stats()
 
     # -- the end --------------------------------------------------------------------------------
 
@@ -439,6 +488,8 @@ class WeightOffload:
             self._unset_homes()
             if self.host_calls is not None:
                 self.host_calls.close()
+            if self.experts is not None:
+                self.experts.detach()
             # Every stream, the user's included, before the ring is freed: a forward under
             # torch.cuda.stream(s) may still read it, and memory freed first could go to another
             # thread's allocation meanwhile (a cold path: one synchronize).
@@ -458,6 +509,11 @@ class WeightOffload:
                     continue
                 for e in b.entries:
                     e.attach([v.clone() for v in e.views(data)])
+            for lay in self.experts.layouts if self.experts is not None else []:
+                try:
+                    self.experts.store.restore(lay)  # type: ignore[union-attr]
+                except OSError as err:
+                    lost.append((lay.name, err))
             for m in self.model.modules():
                 for name, buf in m._buffers.items():
                     if buf is not None:
@@ -466,6 +522,8 @@ class WeightOffload:
                 set_data(p, self._to_host(p.detach()))
         finally:
             try:
+                if self.experts is not None:
+                    self.experts.store.close()
                 for s in self.sources:
                     s.close()
             finally:
@@ -474,6 +532,7 @@ class WeightOffload:
                     delattr(self.model, ATTR)
         if lost:
             names = [n for b in self.blocks for e in b.entries if e.param.device.type == "meta" for n in e.names[:1]]
+            names += [f"{lay.name}.{ep.name}" for lay in (self.experts.layouts if self.experts else []) for ep in lay.params if ep.param.device.type == "meta"]
             first = lost[0][1]
             raise OSError(
                 first.errno if isinstance(first, OSError) and first.errno else errno.EIO,
@@ -697,7 +756,7 @@ def plan_weights(
     a = _check_args(**locals())
     undo = Undo(model)
     try:
-        found, _ = _prepare(model, a, undo)
+        found, _, _ = _prepare(model, a, undo)
         return _plan_of(model, found, a)
     finally:
         undo.undo()

@@ -1,0 +1,502 @@
+"""Routed experts offloaded with the expert as the unit, through transformers' own experts
+interface (issue 34).
+
+Every mixture-of-experts model transformers 5 ships keeps its routed experts in a module whose
+class is decorated with ``transformers.integrations.moe.use_experts_implementation``: fused 3D
+parameters (``gate_up_proj`` ``[E, 2I, H]`` or ``up_proj``, ``down_proj`` ``[E, H, I]``, their
+biases with ``has_bias``), layout flags on the instance (``has_gate``, ``has_bias``,
+``is_transposed``, ``is_concatenated``, ``has_post_expert_norm``) and a forward looked up per call
+in ``ALL_EXPERTS_FUNCTIONS`` by ``self.config._experts_implementation``. :func:`find_experts` finds
+such modules (by those attributes, never by class); their fused parameters leave the layer's
+block (the layer's attention, norms, router and shared experts are stored, streamed and placed
+as before) and are stored per expert (``expertstore.py``).
+
+``offload_weights`` registers :func:`experts_forward` under :data:`NAME` and sets each experts
+module's config to it (the config's own attribute: no model code is patched, and
+``model.set_experts_implementation``, which only a ``PreTrainedModel`` has, is not needed);
+``close()`` sets back what each config said. Given the router's ``top_k_index`` and
+``top_k_weights``, the function reads only the routed experts' units, where they live, and
+computes them on the host:
+
+- with torch's kernels (``native_matmul=False``, a prompt of more than ``hostmatmul.MAX_ROWS``
+  rows, a gradient wanted, a layout the native path does not take): transformers' ``"eager"``
+  loop, the same operations in the same order (experts in ascending order, each one's rows
+  gathered, ``F.linear`` or ``@`` by ``is_transposed``, the module's own ``_apply_gate`` or
+  ``act_fn``, the post-expert norm, the routing weight, ``index_add_``), so that the result is
+  bitwise that of the resident model run with ``experts_implementation="eager"``;
+- with the native kernel (bfloat16, torchao's int8 and fp8 weight-only experts, a decode step,
+  the default gated SiLU layout): :func:`run_native`, one call of the routed-experts kernel
+  (``_native.experts``) for a layer's routed experts where their units all live in RAM, one per
+  expert as they are read from the SSD.
+
+A module called on a device (the layer streamed to a GPU) runs its experts from the device's
+expert cache (:class:`DeviceCache`, ``gpu_budget_gb``'s remainder, issue 34's point 4: a miss copied
+or, by the cost model, computed on the host for its rows), or without one sends its hidden states
+to the host and gets the sum back. A module whose config is switched but which this
+offload does not hold (a second model sharing the config) runs the implementation its config
+named before.
+
+Models whose experts are a ``ModuleList`` of MLPs (``nn.Linear`` each) are left to the block
+machinery: their experts stream with their layer, as every layer's weights do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _native
+from ..runtime.device import Device
+from .costs import CostModel
+from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, _Slru, expert_param
+from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
+from .placement import call_shape
+
+NAME = "offload_adam"  # the name of the offload's function in transformers' ExpertsInterface
+ATTR = "_offload_adam_experts"  # an experts module's runner, while offloaded
+FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+
+
+def is_fused_experts(m: torch.nn.Module) -> bool:
+    """Whether ``m`` is an experts module of transformers' experts interface: the decorator's
+    layout flags and config on the instance, ``num_experts`` and ``down_proj`` of ``num_experts``
+    experts."""
+    config = getattr(m, "config", None)
+    if config is None or not hasattr(config, "_experts_implementation") or not all(hasattr(m, f) for f in FLAGS):
+        return False
+    n = getattr(m, "num_experts", None)
+    down = m._parameters.get("down_proj")
+    return isinstance(n, int) and down is not None and down.dim() >= 2 and down.shape[0] == n
+
+
+def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> list[ExpertsLayout]:
+    """The fused experts modules of ``model`` (see the module documentation) with their fused
+    parameters (every parameter of the module whose first dimension is ``num_experts``), laid out
+    as units. Raises naming the module where one cannot be offloaded per expert."""
+    out: list[ExpertsLayout] = []
+    seen: set[int] = set()
+    for name, m in model.named_modules():
+        if id(m) in seen or not is_fused_experts(m):
+            continue
+        seen.add(id(m))
+        where = name or "<model>"
+        if getattr(m, "_is_expert_parallel", False):
+            raise ValueError(f"model: {where} is an expert-parallel experts module (its experts are split over ranks): not offloaded per expert")
+        e = int(m.num_experts)
+        params: list[ExpertParam] = []
+        for pname, p in m._parameters.items():
+            if p is None or p.dim() < 2 or p.shape[0] != e:
+                continue
+            if id(p) in keep:
+                raise ValueError(f"resident: {where}.{pname} is a routed experts parameter, offloaded per expert; leave it out of resident=")
+            if p.device.type == "meta":
+                raise ValueError(
+                    f"model: {where}.{pname} is on the meta device: routed experts are stored per expert from the "
+                    "model's own tensors (checkpoint= does not fill them yet: load the model, then offload it)"
+                )
+            params.append(expert_param(where, pname, p, e))
+        lay = ExpertsLayout(len(out), where, m, e, params)
+        lay.layout()
+        out.append(lay)
+    return out
+
+
+def expert_params(layouts: list[ExpertsLayout]) -> frozenset[int]:
+    """The fused parameters of ``layouts`` (by ``id``): in no block."""
+    return frozenset(id(ep.param) for lay in layouts for ep in lay.params)
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
+
+
+def run_native(
+    x: Tensor, gate_up: list[Tensor], down: list[Tensor], index: Tensor, weights: Tensor, *,
+    gate_up_scale: list[Tensor | None] | None = None, down_scale: list[Tensor | None] | None = None,
+    out: Tensor, act: str = "silu", num_threads: int = 1,
+) -> None:  # fmt: skip
+    """``out[r] = sum_k weights[r, k] * down[u] @ (silu(g) * u)`` with ``g; u = gate_up[u] @ x[r]``,
+    ``u = index[r, k]`` (``-1``: skipped), in one call of the routed-experts kernel
+    (``_native.experts``: the intermediate in float32, rounded once; its bound in
+    ``rust/linear/experts.rs``). ``x`` ``[rows, H]``, ``gate_up[u]`` ``[2I, H]`` (gate;up),
+    ``down[u]`` ``[H, I]``, bfloat16, or int8/float8_e4m3fn with their per-row scales."""
+    gs = [t.reshape(-1) for t in gate_up_scale] if gate_up_scale else None  # type: ignore[union-attr]
+    ds = [t.reshape(-1) for t in down_scale] if down_scale else None  # type: ignore[union-attr]
+    _native.experts(
+        x, gate_up, down, index, weights.to(x.dtype).contiguous(), gate_up_scale=gs, down_scale=ds, out=out, act=act,
+        num_threads=num_threads,
+    )  # fmt: skip
+
+
+class Experts:
+    """The offload's routed experts: their store, the switch of their modules to
+    :func:`experts_forward` and back, and what they did (``report()``)."""
+
+    def __init__(
+        self, device: Device, layouts: list[ExpertsLayout], store: ExpertStore, native_matmul: bool | None,
+        num_threads: int | None, gpu: DeviceCache | None = None, cost_model: CostModel | None = None,
+    ) -> None:  # fmt: skip
+        self.device = device
+        self.gpu = gpu
+        self.cost_model = cost_model
+        self.layouts = layouts
+        self.store = store
+        self.native_matmul = native_matmul
+        self.num_threads = num_threads
+        self.bf16: bool | None = None  # whether bf16 experts go to the native kernel (decided at the first call)
+        self.saved: list[tuple[Any, Any]] = []  # (config, its experts implementation before)
+        self.handles: list[Any] = []
+        self.phase = "prompt"
+        self.reset_stats()
+
+    def reset_stats(self) -> None:
+        self.store.reset_stats()
+        z = {
+            "calls": 0, "experts": 0, "hits": 0, "misses": 0, "read_bytes": 0, "native": 0, "torch": 0, "cpu_s": 0.0,
+            "gpu_hits": 0, "copied": 0, "cpu_computed": 0, "h2d_bytes": 0,
+        }  # fmt: skip
+        self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z)}
+
+    def report(self) -> dict[str, Any]:
+        s = self.store
+        return {
+            "expert_modules": len(self.layouts),
+            "expert_units": sum(lay.experts for lay in self.layouts),
+            "expert_bytes": sum(lay.nbytes for lay in self.layouts),
+            "expert_ram_bytes": s.ram_bytes,
+            "expert_cache_units": s.capacity,
+            "expert_nvme_bytes": s.nvme_bytes,
+            "expert_gpu_units": self.gpu.capacity if self.gpu is not None else 0,
+            "expert_gpu_bytes": self.gpu.nbytes if self.gpu is not None else 0,
+            "experts": {ph: dict(v) for ph, v in self.stats.items()},
+        }
+
+    # -- the switch -----------------------------------------------------------------------------
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Each experts module's config to :data:`NAME` (the previous name kept), its runner set;
+        a hook on its parent (the sparse MoE block, whose call tells prompt from decode)."""
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        ALL_EXPERTS_FUNCTIONS[NAME] = experts_forward
+        for lay in self.layouts:
+            m = lay.module
+            setattr(m, ATTR, (self, lay))
+            cfg: Any = m.config
+            if not any(c is cfg for c, _ in self.saved):
+                self.saved.append((cfg, cfg._experts_implementation))
+                _PREVIOUS[id(cfg)] = cfg._experts_implementation
+                cfg._experts_implementation_internal = NAME
+            parent = _parent_of(model, m)
+            if parent is not None:
+                self.handles.append(parent.register_forward_pre_hook(self._phase, with_kwargs=True))
+
+    def detach(self) -> None:
+        """The configs and modules back as they were."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        for cfg, before in self.saved:
+            cfg._experts_implementation_internal = before
+            _PREVIOUS.pop(id(cfg), None)
+        self.saved = []
+        for lay in self.layouts:
+            lay.module.__dict__.pop(ATTR, None)
+
+    def _phase(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        _, seq = call_shape(args, kwargs)
+        self.phase = "prompt" if seq > 1 else "decode"
+
+    # -- a call -----------------------------------------------------------------------------------
+
+    def _native_ok(self, m: Any, lay: ExpertsLayout, x: Tensor) -> bool:
+        """Whether this call runs :func:`run_native` (see the module documentation)."""
+        if self.native_matmul is False or x.dtype not in (torch.bfloat16, torch.float32) or not 0 < x.shape[0] <= MAX_ROWS:
+            return False
+        if torch.is_grad_enabled() and x.requires_grad or torch.is_autocast_enabled("cpu"):
+            return False
+        if not m.has_gate or m.has_bias or m.is_transposed or not m.is_concatenated or getattr(m, "has_post_expert_norm", False):
+            return False
+        from transformers.integrations.moe import _default_apply_gate
+
+        if getattr(type(m), "_apply_gate", None) is not _default_apply_gate or not _is_silu(getattr(m, "act_fn", None)):
+            return False
+        names = [ep.name for ep in lay.params]
+        if sorted(names) != ["down_proj", "gate_up_proj"]:
+            return False
+        ep = lay.params[0]
+        if ep.kind is None:
+            if ep.parts[0].dtype is not torch.bfloat16 or x.dtype is not torch.bfloat16:
+                return False
+            if self.native_matmul is None:
+                if self.bf16 is None:
+                    self.bf16 = bf16_faster(self.num_threads or torch.get_num_threads())
+                return self.bf16
+            return True
+        return True
+
+    def forward(self, m: torch.nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        on_host = hidden.device.type == "cpu"
+        if not on_host:
+            if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad):
+                raise NotImplementedError(
+                    f"{lay.name}: a forward building a graph through routed experts offloaded by offload_weights on "
+                    f"{hidden.device} (their sum is computed on the host, and the copies across carry no gradient): "
+                    "training through offloaded experts on a device is issue 34's point 6; run it under torch.no_grad(), "
+                    "or with device='cpu'"
+                )
+            if self.gpu is None:
+                hidden, index, weights = (self._to_host(t) for t in (hidden, index, weights))
+        t0 = time.perf_counter()
+        st = self.stats[self.phase]
+        st["calls"] += 1
+        s = self.store
+        hits, misses, read = s.hits, s.misses, s.stats.read_bytes
+        mode = _leave_modes()  # (our own kernels here: a NativeMatmul around the block must not take them)
+        try:
+            if not on_host and self.gpu is not None:
+                st["torch"] += 1
+                return self._on_device(m, lay, hidden, index, weights)
+            if self._native_ok(m, lay, hidden):
+                st["native"] += 1
+                out = self._native(lay, hidden, index, weights)
+            else:
+                st["torch"] += 1
+                out = self._eager(m, lay, hidden, index, weights)
+        finally:
+            _enter_modes(mode)
+            st["hits"] += s.hits - hits
+            st["misses"] += s.misses - misses
+            st["experts"] += s.hits - hits + s.misses - misses
+            st["read_bytes"] += s.stats.read_bytes - read
+            st["cpu_s"] += time.perf_counter() - t0
+        return out if on_host else self._to_device(out)
+
+    def _eager(self, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """transformers' ``"eager"`` loop over the units (see the module documentation)."""
+        n = lay.experts
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        hit = [int(i) for i in expert_hit[:, 0].tolist() if i < n]
+        keep = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad) and self.store.nvme
+        gate = "gate_up_proj" if m.has_gate else "up_proj"
+        for e, unit in self.store.units(lay, hit):
+            w = lay.weights(unit)
+            if keep:  # (a backward reads them after the slot is reused)
+                w = {k: v.clone() for k, v in w.items()}
+            top_k_pos, token_idx = torch.where(expert_mask[e])
+            h = _expert(m, w, hidden_states[token_idx], top_k_weights[token_idx, top_k_pos, None])
+            final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def _on_device(self, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The eager loop on the device (issue 34, point 4): an expert in the device cache runs
+        there; a miss is copied into it (its unit's bytes only) or computed on the host (its rows
+        across and back), as the cost model prices the expert's bytes against its rows (without
+        one: copied). The same operations, summed on the device in ascending expert order."""
+        gpu = self.gpu
+        assert gpu is not None
+        st = self.stats[self.phase]
+        n = lay.experts
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        hit = [int(i) for i in self._to_host(expert_hit[:, 0]).tolist() if i < n]  # (the one sync of a call)
+        dtype = lay.params[0].parts[0].dtype
+        params = sum(q.numel for ep in lay.params for q in ep.parts)
+        for e in hit:
+            top_k_pos, token_idx = torch.where(expert_mask[e])
+            unit = gpu.get(lay.index, e)
+            if unit is not None:
+                st["gpu_hits"] += 1
+                st["experts"] += 1
+            else:
+                rows = int(token_idx.shape[0])
+                where = self.cost_model.choose(lay.unit_bytes, params, rows, dtype) if self.cost_model is not None else "stream"
+                for _, host_unit in self.store.units(lay, [e]):
+                    if where == "stream":
+                        unit = gpu.put(lay.index, e, host_unit)
+                        st["copied"] += 1
+                        st["h2d_bytes"] += lay.unit_bytes
+                    else:
+                        x = self._to_host(hidden_states[token_idx])
+                        wk = self._to_host(top_k_weights[token_idx, top_k_pos, None])
+                        h = self._to_device(_expert(m, lay.weights(host_unit), x, wk))
+                        st["cpu_computed"] += 1
+            if unit is not None:
+                h = _expert(m, lay.weights(unit), hidden_states[token_idx], top_k_weights[token_idx, top_k_pos, None])
+            final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def _native(self, lay: ExpertsLayout, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        """The routed experts on :func:`run_native`: in one call where every unit lives in RAM,
+        else each as it is read, their results summed in float32 and rounded once."""
+        n = lay.experts
+        routed = sorted({int(i) for i in index.flatten().tolist() if 0 <= i < n})
+        threads = self.num_threads or torch.get_num_threads()
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        if self.store.buf is not None:
+            _run_group(lay, list(self.store.units(lay, routed)), x, index, weights, out, threads)
+            return out
+        acc = torch.zeros(x.shape, dtype=torch.float32)
+        for e, unit in self.store.units(lay, routed):
+            _run_group(lay, [(e, unit)], x, index, weights, out, threads)
+            acc.add_(out.float())
+        return acc.to(x.dtype)
+
+    # -- moves ----------------------------------------------------------------------------------
+
+    def _to_host(self, t: Tensor) -> Tensor:
+        dev = self.device
+        out = torch.empty(t.shape, dtype=t.dtype)
+        dev.stream_waits(dev.d2h, dev.record_current())  # after the compute that made it
+        dev.copy_blocking([(out, t)], dev.d2h)
+        return out
+
+    def _to_device(self, t: Tensor) -> Tensor:
+        dev = self.device
+        out = dev.empty(t.numel(), t.dtype).view(t.shape)
+        dev.stream_waits(dev.h2d_now, dev.record_current())  # after the allocation (memory reused at once)
+        dev.copy_blocking([(out, t)], dev.h2d_now)
+        return out
+
+
+def _run_group(lay: ExpertsLayout, group: list[tuple[int, Tensor]], x: Tensor, index: Tensor, weights: Tensor, out: Tensor, threads: int) -> None:
+    """:func:`run_native` over the experts of ``group`` (their units), ``index`` mapped to them."""
+    local = torch.full_like(index, -1)
+    gu: list[Tensor] = []
+    dn: list[Tensor] = []
+    gs: list[Tensor | None] = []
+    ds: list[Tensor | None] = []
+    for u, (e, unit) in enumerate(group):
+        local[index == e] = u
+        w = lay.weights(unit)
+        for name, data, scales in (("gate_up_proj", gu, gs), ("down_proj", dn, ds)):
+            parts = weight_parts(w[name])
+            assert not isinstance(parts, str), parts
+            data.append(parts.data)
+            scales.append(parts.scale)
+    quant = any(s is not None for s in gs)
+    run_native(x, gu, dn, local, weights, gate_up_scale=gs if quant else None, down_scale=ds if quant else None, out=out, num_threads=threads)
+
+
+def _expert(m: Any, w: dict[str, Tensor], current_state: Tensor, routing: Tensor) -> Tensor:
+    """One expert of transformers' eager loop on its rows: projection, gate, projection, the
+    post-expert norm, the routing weight."""
+    gate = "gate_up_proj" if m.has_gate else "up_proj"
+    h = _project(current_state, w[gate], w.get(gate + "_bias"), m.is_transposed)
+    h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
+    h = _project(h, w["down_proj"], w.get("down_proj_bias"), m.is_transposed)
+    if getattr(m, "has_post_expert_norm", False):
+        h = m.post_expert_norm(h)
+    return h * routing
+
+
+class DeviceCache:
+    """Units on the device (issue 34, point 4): ``capacity`` slots of the largest unit, a
+    segmented LRU over them (``expertstore._Slru``). A copy into a slot waits for the compute
+    issued before it (the slot's last readers) and is waited for by the host before the slot is
+    read (a blocking copy on ``h2d_now``, as a CPU call's outputs go back)."""
+
+    def __init__(self, device: Device, capacity: int, slot_bytes: int, meter: Any = None) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.slots = [device.empty(slot_bytes, torch.uint8, meter) for _ in range(capacity)]
+        self.cache = _Slru(capacity)
+        self.free = list(range(capacity))
+        self.nbytes = capacity * slot_bytes
+
+    def get(self, layout: int, e: int) -> Tensor | None:
+        key = (layout, e)
+        slot = self.cache.get(key)
+        if slot is None:
+            return None
+        self.cache.used(key)
+        return self.slots[slot]
+
+    def put(self, layout: int, e: int, host_unit: Tensor) -> Tensor:
+        """``host_unit`` copied into a slot (the cache's first victim if none is free)."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            key, slot = next(self.cache.victims())
+            self.cache.drop(key)
+        self.cache.add((layout, e), slot)
+        dev = self.device
+        n = host_unit.numel()
+        dev.stream_waits(dev.h2d_now, dev.record_current())  # after the compute that read the slot
+        dev.copy_blocking([(self.slots[slot][:n], host_unit)], dev.h2d_now)
+        return self.slots[slot]
+
+
+def _project(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:
+    """The eager loop's projection: ``x @ w + b`` for transposed weights, ``F.linear`` else."""
+    if transposed:
+        return x @ w + b if b is not None else x @ w
+    return F.linear(x, w, b) if b is not None else F.linear(x, w)
+
+
+def _parent_of(model: torch.nn.Module, m: torch.nn.Module) -> torch.nn.Module | None:
+    """The module that calls ``m`` (its parent: the sparse MoE block), whose call tells the phase."""
+    for parent in model.modules():
+        if any(c is m for c in parent.children()):
+            return parent
+    return None
+
+
+def _leave_modes() -> list[Any]:
+    """The torch-function modes active now (``NativeMatmul``, around a block run on the CPU, taken
+    off: this function calls its own kernels); :func:`_enter_modes` puts them back as they were."""
+    out = []
+    while torch._C._len_torch_function_stack():
+        out.append(torch._C._pop_torch_function_stack())
+    for mode in reversed(out):
+        if not isinstance(mode, NativeMatmul):
+            torch._C._push_on_torch_function_stack(mode)
+    return out
+
+
+def _enter_modes(modes: list[Any]) -> None:
+    while torch._C._len_torch_function_stack():
+        torch._C._pop_torch_function_stack()
+    for mode in reversed(modes):
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def experts_forward(self: torch.nn.Module, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """The offload's experts implementation (registered as :data:`NAME`): the routed experts of
+    this call, read where they live (see the module documentation)."""
+    held = self.__dict__.get(ATTR)
+    if held is None:
+        return _not_ours(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+    owner, lay = held
+    out: Tensor = owner.forward(self, lay, hidden_states, top_k_index, top_k_weights)
+    return out
+
+
+_PREVIOUS: dict[int, str | None] = {}  # id(config) -> its implementation before an offload switched it
+
+
+def _not_ours(m: torch.nn.Module, *args: Any, **kwargs: Any) -> Tensor:
+    """A module this offload does not hold whose config it switched: the implementation the
+    config named before (transformers' own lookup), else the class's eager forward."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    eager: Callable[..., Tensor] = type(m).forward.__wrapped__  # type: ignore[attr-defined]
+    before = _PREVIOUS.get(id(m.config))
+    fn = ALL_EXPERTS_FUNCTIONS.get_interface(before, eager) if before not in (None, NAME) else eager
+    return fn(m, *args, **kwargs)
+
+
+__all__ = ["ATTR", "NAME", "Experts", "experts_forward", "expert_params", "find_experts", "is_fused_experts", "run_native"]

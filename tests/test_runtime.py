@@ -83,6 +83,21 @@ def test_moving_a_module_to_the_simulated_device_keeps_its_parameters_and_their_
         assert isinstance(w, torch.nn.Parameter) and len(list(m.parameters())) == 1
 
 
+@pytest.mark.parametrize("fn", [torch.nn.functional.silu, torch.nn.functional.mish], ids=["silu", "mish"])
+def test_the_simulated_device_computes_a_backward_as_the_cpu(fn: Any) -> None:
+    """A backward on the simulated device is bitwise the CPU's, as its forward is: silu's and
+    mish's run the CPU's kernels (``silu_backward``), not the composite decomposition torch takes
+    for a device type without kernels of its own (sigmoid and products: other bits)."""
+    x, g = torch.randn(64, 33), torch.randn(64, 33)
+    xc = x.clone().requires_grad_()
+    fn(xc).backward(g)
+    with testing.simulated_device(max_delay_s=0.0) as sim:
+        xd = x.to(sim.torch_device).requires_grad_()
+        fn(xd).backward(g.to(sim.torch_device))
+        assert xd.grad is not None and xd.grad.device == sim.torch_device
+        assert torch.equal(xd.grad.cpu(), xc.grad)
+
+
 def test_autograd_backward_of_several_tensors_on_the_simulated_device_reaches_each() -> None:
     """``torch.autograd.backward([a, b], [ga, gb])`` gives every tensor its gradient, as on
     "cuda" (the simulated device took the first tensor of the list only)."""

@@ -398,6 +398,32 @@ def _device_index(device: Any) -> int:
     return d.index if d.index is not None else 0
 
 
+def _cpu_kernels_over_composites() -> list[str]:
+    """The aten operations with a kernel of the CPU's beside a composite one
+    (``CompositeImplicitAutograd``): ``silu_backward``, ``mish_backward``,
+    ``native_channel_shuffle`` in torch 2.15. A device type without a kernel of its own takes the
+    composite, decomposed above autograd, before ``SimTensor`` sees the call (``silu_backward``:
+    sigmoid and products, other bits than the CPU's kernel); with one registered for
+    ``PrivateUse1`` the dispatcher leaves the composite out, as for the CPU and CUDA, and the
+    call reaches ``SimTensor``, which runs the CPU's kernel on the memory."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return sorted(
+        n for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("aten::") and has(n, "CompositeImplicitAutograd") and has(n, "CPU")
+    )  # fmt: skip
+
+
+def _own_kernel(op: str) -> Callable[..., Any]:
+    name, _, overload = op.split("::", 1)[1].partition(".")
+    packet = getattr(torch.ops.aten, name)
+    func = getattr(packet, overload or "default")
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:  # (never reached: SimTensor's dispatch is above it)
+        return _dispatch(func, args, kwargs)
+
+    return kernel
+
+
 def register() -> None:
     """Registers ``simgpu`` in this process, once (torch allows one renamed PrivateUse1)."""
     global _registered, _lib
@@ -425,5 +451,7 @@ def register() -> None:
     ]
     for op, fn in impls:
         _lib.impl(op, fn, "PrivateUse1")
+    for op in _cpu_kernels_over_composites():
+        _lib.impl(op.split("::", 1)[1], _own_kernel(op), "PrivateUse1")
     simautocast.register(NAME)
     _registered = True

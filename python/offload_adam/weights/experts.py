@@ -51,6 +51,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device
+from .expertgrad import builds_graph, train_forward
 from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, expert_param
 from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
 from .placement import call_shape
@@ -162,7 +163,7 @@ class Experts:
     def reset_stats(self) -> None:
         self.store.reset_stats()
         z = {"calls": 0, "experts": 0, "hits": 0, "misses": 0, "read_bytes": 0, "native": 0, "torch": 0, "cpu_s": 0.0}
-        self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z)}
+        self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z), "backward": dict(z)}
 
     def report(self) -> dict[str, Any]:
         s = self.store
@@ -241,6 +242,8 @@ class Experts:
         return True
 
     def forward(self, m: torch.nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        if builds_graph(lay, hidden, weights):  # (training: expertgrad.py)
+            return train_forward(self, m, lay, hidden, index, weights)
         on_host = hidden.device.type == "cpu"
         if not on_host:
             hidden, index, weights = (self._to_host(t) for t in (hidden, index, weights))

@@ -182,3 +182,26 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
         assert fwd["experts"] > 0 and bwd["experts"] == fwd["experts"], r["experts"]
         if storage == "nvme":  # (no RAM cache: host_budget_gb not given)
             assert bwd["misses"] == bwd["experts"] and bwd["read_bytes"] > 0, bwd
+
+
+def test_a_routed_experts_parameter_left_trainable_is_refused_naming_it() -> None:
+    """The resident model would give it a gradient, its units cannot: refused at the forward that
+    builds a graph (not at offload_weights: peft may freeze the base after it), before the
+    backward and the step, the adapters unchanged; under torch.no_grad() it runs."""
+    model = lora_model("qwen3_moe", 4)
+    h = offload_adam.offload_weights(model, device="cpu", native_matmul=False)
+    x = data(4)[0]
+    experts = model.base_model.model.model.layers[0].mlp.experts
+    lora = adapters(model)
+    before = [p.detach().clone() for p in lora]
+    experts.down_proj.requires_grad_(True)
+    name = r"base_model\.model\.model\.layers\.0\.mlp\.experts\.down_proj"
+    with pytest.raises(ValueError, match=rf"model: {name} requires a gradient, .*freeze it with requires_grad_\(False\)"):
+        model(input_ids=x[:, :-1])
+    assert all(p.grad is None for p in lora) and all(torch.equal(p, q) for p, q in zip(lora, before))
+    with torch.no_grad():
+        assert torch.isfinite(model(input_ids=x[:, :-1]).logits).all()
+    experts.down_proj.requires_grad_(False)
+    model(input_ids=x[:, :-1]).logits.float().sum().backward()  # frozen again: it trains
+    assert all(p.grad is not None for p in lora)
+    h.close()

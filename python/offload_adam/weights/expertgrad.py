@@ -12,7 +12,8 @@ routed expert in place of its projections: the backward accumulates the hidden s
 in the same order (each expert's contribution apart, then the shared experts' and the router's
 as the resident model's engine adds them), and so gives the same bits.
 
-:class:`RoutedExpert` computes no gradient of a weight (the experts are frozen) and saves nothing of the
+:class:`RoutedExpert` computes no gradient of a weight (the experts are frozen: a parameter of
+them that wants a gradient is refused, see :func:`check_frozen`) and saves nothing of the
 experts' weights: its backward takes the unit from the store again (``storage="cpu"``: the host
 copy; ``"nvme"``: the RAM cache, read again on a miss) and recomputes the expert's forward
 under autograd on the host for the input's gradient (one more gate/up and down projection per
@@ -40,8 +41,25 @@ if TYPE_CHECKING:
 
 
 def builds_graph(lay: ExpertsLayout, hidden: Tensor, weights: Tensor) -> bool:
-    """Whether an experts call builds an autograd graph (then :func:`train_forward` runs it)."""
-    return torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad)
+    """Whether an experts call builds an autograd graph (then :func:`train_forward` runs it); a
+    routed experts parameter that wants a gradient is refused first (:func:`check_frozen`)."""
+    if not torch.is_grad_enabled():
+        return False
+    check_frozen(lay)
+    return hidden.requires_grad or weights.requires_grad
+
+
+def check_frozen(lay: ExpertsLayout) -> None:
+    """A ValueError naming a routed experts parameter that wants a gradient, in a forward with
+    gradients enabled: the resident model would give it one, and its units cannot (they are
+    frozen: the optimizer would silently step nothing for it)."""
+    for ep in lay.params:
+        if ep.param.requires_grad:
+            raise ValueError(
+                f"model: {lay.name}.{ep.name} requires a gradient, but routed experts stored per expert are frozen (the "
+                "backward gives the hidden states their gradient, never the experts' weights): freeze it with "
+                "requires_grad_(False) (peft's get_peft_model does), or run inference under torch.no_grad()"
+            )
 
 
 def _expert(m: Any, w: dict[str, Tensor], x: Tensor) -> Tensor:
@@ -146,4 +164,4 @@ def _loop(owner: Experts, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top
     return final_hidden_states
 
 
-__all__ = ["RoutedExpert", "builds_graph", "train_forward"]
+__all__ = ["RoutedExpert", "builds_graph", "check_frozen", "train_forward"]

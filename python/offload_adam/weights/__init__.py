@@ -9,7 +9,8 @@ the device block by block, ahead of need, in three stages (ARCHITECTURE.md, "wei
   they hold), ``cycle.py`` (the recorded order and its prefetch cursor), ``loader.py`` (one
   block's copy) and ``saved.py`` (what a training forward saves); ``placement.py`` with
   ``costs.py`` (where each call runs) and ``hostmatmul.py``/``frozen.py`` (the CPU's and a
-  frozen quantized linear's calls)."""
+  frozen quantized linear's calls); ``experts.py`` over ``expertstore.py`` (a mixture of
+  experts' routed experts, stored per expert, run through transformers' experts interface)."""
 
 from .offload import WeightOffload, offload_weights, plan_weights
 from .plan import BlockPlan, WeightPlan

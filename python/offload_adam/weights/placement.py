@@ -193,6 +193,8 @@ class HostCalls:
             bf16 = native_matmul is True or bf16_faster(num_threads or torch.get_num_threads())
             self.matmul = NativeMatmul(bf16=bf16)
         self.stack: list[tuple[str, float, int | None, bool]] = []  # (where, start, threads to restore, mode entered)
+        self.lent: list[list[tuple[torch.nn.Module, str, Tensor]]] = []  # per CPU call: the device buffers its host copies replace
+        self.buffers: dict[int, tuple[weakref.ref[Tensor], int, Tensor]] = {}  # id(device buffer) -> (it, its version, host copy)
         self.layer: dict[int, int | None] = {}
         self.handles: list[Any] = []
         # Device tensors handed to CPU calls, and their host copies: the mask and the position
@@ -225,6 +227,7 @@ class HostCalls:
             h.remove()
         self.handles = []
         self.crossed = []
+        self.buffers = {}
 
     # -- moves ----------------------------------------------------------------------------------
 
@@ -282,6 +285,22 @@ class HostCalls:
                 if hasattr(layer, "device"):
                     layer.device = moved.device
 
+    def _lend_buffers(self, module: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Tensor]]:
+        """The device buffers of ``module`` (and its submodules) replaced, for a call on the CPU,
+        by their host copies (made once while a buffer does not change: DeepSeek-V3's router
+        reads its ``e_score_correction_bias``); what ``_post`` puts back. A call on the CPU that
+        wrote a buffer would write the copy: inference writes none."""
+        lent = []
+        for m in module.modules():
+            for name, buf in m._buffers.items():
+                if isinstance(buf, Tensor) and self._on_device(buf):
+                    lent.append((m, name, buf))
+                    known = self.buffers.get(id(buf))
+                    if known is None or known[0]() is not buf or known[1] != buf._version:
+                        known = self.buffers[id(buf)] = (weakref.ref(buf), buf._version, self._to_host(buf))
+                    m._buffers[name] = known[2]
+        return lent
+
     def _pre(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> Any:
         where = self.placer.where(module)
         threads = None
@@ -300,6 +319,7 @@ class HostCalls:
         self._kv(module, args, kwargs, where)
         if where != "cpu":
             return None
+        self.lent.append(self._lend_buffers(module))
 
         def host(x: Any) -> Any:
             if isinstance(x, Tensor) and self._on_device(x):
@@ -322,6 +342,9 @@ class HostCalls:
             self.stats["cpu_s"] += time.perf_counter() - t0  # (the outermost: a block calling blocks counts once)
         if where != "cpu" or not self.moves:
             return None
+        if self.lent:
+            for m, name, buf in self.lent.pop():
+                m._buffers[name] = buf
 
         def back(x: Any) -> Any:
             if isinstance(x, Tensor) and x.device.type == "cpu":

@@ -246,13 +246,6 @@ class Experts:
             return train_forward(self, m, lay, hidden, index, weights)
         on_host = hidden.device.type == "cpu"
         if not on_host:
-            if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad):
-                raise NotImplementedError(
-                    f"{lay.name}: a forward building a graph through routed experts offloaded by offload_weights on "
-                    f"{hidden.device} (their sum is computed on the host, and the copies across carry no gradient): "
-                    "training through offloaded experts on a device is issue 34's point 6; run it under torch.no_grad(), "
-                    "or with device='cpu'"
-                )
             hidden, index, weights = (self._to_host(t) for t in (hidden, index, weights))
         t0 = time.perf_counter()
         st = self.stats[self.phase]

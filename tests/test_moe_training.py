@@ -205,3 +205,22 @@ def test_a_routed_experts_parameter_left_trainable_is_refused_naming_it() -> Non
     model(input_ids=x[:, :-1]).logits.float().sum().backward()  # frozen again: it trains
     assert all(p.grad is not None for p in lora)
     h.close()
+
+
+def test_lora_on_the_routed_experts_parameters_is_refused_naming_the_wrapper() -> None:
+    """peft's LoRA on the fused routed experts' parameters (target_parameters=, a ParamWrapper
+    around the experts module that adds its delta to the fused parameter at each call) cannot run
+    over experts stored per expert (frozen, the fused parameter a meta placeholder): refused at
+    offload_weights, naming the wrapper, the model as it was (it failed in the first forward, deep
+    in peft, on a meta tensor)."""
+    model = MODELS["qwen3_moe"](5).to(torch.bfloat16).train()
+    model.set_experts_implementation("eager")
+    cfg = peft.LoraConfig(r=4, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    pm = peft.get_peft_model(model, cfg)
+    before = {n: (p.device, p.detach().clone()) for n, p in pm.state_dict().items()}
+    wrapper = r"base_model\.model\.model\.layers\.0\.mlp\.experts\.base_layer \(ParamWrapper\)"
+    with pytest.raises(ValueError, match=rf"model: {wrapper} wraps the routed experts base_model\.model\.model\.layers\.0\.mlp\.experts\.base_layer\.base_layer: an adapter"):
+        offload_adam.offload_weights(pm, device="cpu", native_matmul=False)
+    after = pm.state_dict()
+    assert after.keys() == before.keys() and all(after[n].device == d and torch.equal(after[n], t) for n, (d, t) in before.items())
+    assert model.config._experts_implementation == "eager"

@@ -62,6 +62,22 @@ def check_frozen(lay: ExpertsLayout) -> None:
             )
 
 
+def check_unwrapped(model: torch.nn.Module, m: torch.nn.Module, where: str) -> None:
+    """A ValueError naming the module that holds the experts module ``m`` as its ``base_layer``:
+    peft's ``ParamWrapper`` (LoRA on the routed experts' parameters, ``target_parameters=``, or a
+    ``target_modules`` list naming ``gate_proj``/``up_proj``/``down_proj``, which peft 0.21 maps to
+    them on a transformers 5 MoE model) adds its delta to the fused parameter at each call, a
+    parameter stored per expert is a meta placeholder meanwhile; the experts are frozen here."""
+    for name, outer in model.named_modules():
+        if outer is not m and getattr(outer, "base_layer", None) is m:
+            raise ValueError(
+                f"model: {name or '<model>'} ({type(outer).__name__}) wraps the routed experts {where}: an adapter on "
+                "the routed experts' parameters (peft's target_parameters=, or target_modules naming gate_proj/up_proj/"
+                "down_proj on a transformers 5 MoE model) cannot be offloaded per expert, whose experts are frozen; put "
+                "the adapters on the attention or the shared experts"
+            )
+
+
 def _expert(m: Any, w: dict[str, Tensor], x: Tensor) -> Tensor:
     """One expert's computation in the eager loop's operations (``experts.Experts._eager``)."""
     from .experts import _project
@@ -164,4 +180,4 @@ def _loop(owner: Experts, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top
     return final_hidden_states
 
 
-__all__ = ["RoutedExpert", "builds_graph", "check_frozen", "train_forward"]
+__all__ = ["RoutedExpert", "builds_graph", "check_frozen", "check_unwrapped", "train_forward"]

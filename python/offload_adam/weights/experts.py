@@ -51,7 +51,7 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device
-from .expertgrad import builds_graph, train_forward
+from .expertgrad import builds_graph, check_unwrapped, train_forward
 from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, expert_param
 from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
 from .placement import call_shape
@@ -99,6 +99,7 @@ def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> 
                     "model's own tensors (checkpoint= does not fill them yet: load the model, then offload it)"
                 )
             params.append(expert_param(where, pname, p, e))
+        check_unwrapped(model, m, where)  # (an adapter on the experts' parameters: expertgrad.py)
         lay = ExpertsLayout(len(out), where, m, e, params)
         lay.layout()
         out.append(lay)

@@ -457,3 +457,32 @@ def test_placements_on_a_device_are_bitwise_the_eager_experts_loop(arch: str, pl
         h.close()
     assert sim.violations == []
     assert m.config._experts_implementation == "eager"
+
+
+@pytest.mark.parametrize("arch,placement,storage", [("qwen3moe", "stream", "cpu"), ("deepseek_v3", "auto", "nvme")])
+def test_the_device_expert_cache_is_bitwise_the_eager_experts_loop(arch: str, placement: str, storage: str, nvme_dir: str) -> None:
+    """With gpu_budget_gb, what the plan's device tier leaves holds experts on the device (issue
+    34, point 4): a layer on the device runs its cached experts there, and a miss is copied (its
+    unit's bytes only) or, by the cost model, computed on the host for its rows; bitwise the
+    resident eager model, no ordering violation."""
+    m = model(arch)
+    want = reference(arch)
+    kw: dict[str, Any] = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    with testing.simulated_device(seed=2, max_delay_s=0.001) as sim:
+        h = offload_adam.offload_weights(
+            m, placement=placement, storage=storage, gpu_budget_gb=0.5, native_matmul=False, **kw,
+            **({"cost_model": RowsModel()} if placement == "auto" else {}),
+        )  # fmt: skip
+        assert same(run(m, prompt()), want)
+        r = h.report()
+        h.close()
+    assert sim.violations == []
+    units = r["expert_units"]
+    assert r["expert_gpu_units"] == units  # the budget holds them all
+    ph = r["experts"]
+    copied = sum(p["copied"] for p in ph.values())
+    assert 0 < copied <= units and sum(p["gpu_hits"] for p in ph.values()) > 0
+    unit = h.experts.layouts[0].unit_bytes  # (the bytes of one expert's parameters, their alignment inside)
+    assert sum(p["h2d_bytes"] for p in ph.values()) == copied * unit
+    if placement == "auto":
+        assert sum(p["cpu_computed"] for p in ph.values()) > 0  # an expert of one row: on the host

@@ -29,9 +29,10 @@ computes them on the host:
   routed-experts kernel being written (``_native.experts``) and runs the few-row kernel
   (``_native.linear``) per expert today: the kernel's call replaces its body.
 
-A module called on a device (the layer streamed to a GPU) sends its hidden states to the host
-and the result back; its experts run on the CPU (issue 34's point 3; the device's expert cache,
-point 4, is another tier of the same units). A module whose config is switched but which this
+A module called on a device (the layer streamed to a GPU) runs its experts from the device's
+expert cache (:class:`DeviceCache`, ``gpu_budget_gb``'s remainder, issue 34's point 4: a miss copied
+or, by the cost model, computed on the host for its rows), or without one sends its hidden states
+to the host and gets the sum back. A module whose config is switched but which this
 offload does not hold (a second model sharing the config) runs the implementation its config
 named before.
 
@@ -51,8 +52,9 @@ from torch import Tensor
 
 from .. import _native
 from ..runtime.device import Device
+from .costs import CostModel
 from .expertgrad import builds_graph, check_unwrapped, train_forward
-from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, expert_param
+from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, _Slru, expert_param
 from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
 from .placement import call_shape
 
@@ -149,8 +151,13 @@ class Experts:
     """The offload's routed experts: their store, the switch of their modules to
     :func:`experts_forward` and back, and what they did (``report()``)."""
 
-    def __init__(self, device: Device, layouts: list[ExpertsLayout], store: ExpertStore, native_matmul: bool | None, num_threads: int | None) -> None:
+    def __init__(
+        self, device: Device, layouts: list[ExpertsLayout], store: ExpertStore, native_matmul: bool | None,
+        num_threads: int | None, gpu: DeviceCache | None = None, cost_model: CostModel | None = None,
+    ) -> None:  # fmt: skip
         self.device = device
+        self.gpu = gpu
+        self.cost_model = cost_model
         self.layouts = layouts
         self.store = store
         self.native_matmul = native_matmul
@@ -163,7 +170,10 @@ class Experts:
 
     def reset_stats(self) -> None:
         self.store.reset_stats()
-        z = {"calls": 0, "experts": 0, "hits": 0, "misses": 0, "read_bytes": 0, "native": 0, "torch": 0, "cpu_s": 0.0}
+        z = {
+            "calls": 0, "experts": 0, "hits": 0, "misses": 0, "read_bytes": 0, "native": 0, "torch": 0, "cpu_s": 0.0,
+            "gpu_hits": 0, "copied": 0, "cpu_computed": 0, "h2d_bytes": 0,
+        }  # fmt: skip
         self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z), "backward": dict(z)}
 
     def report(self) -> dict[str, Any]:
@@ -175,6 +185,8 @@ class Experts:
             "expert_ram_bytes": s.ram_bytes,
             "expert_cache_units": s.capacity,
             "expert_nvme_bytes": s.nvme_bytes,
+            "expert_gpu_units": self.gpu.capacity if self.gpu is not None else 0,
+            "expert_gpu_bytes": self.gpu.nbytes if self.gpu is not None else 0,
             "experts": {ph: dict(v) for ph, v in self.stats.items()},
         }
 
@@ -247,7 +259,8 @@ class Experts:
             return train_forward(self, m, lay, hidden, index, weights)
         on_host = hidden.device.type == "cpu"
         if not on_host:
-            hidden, index, weights = (self._to_host(t) for t in (hidden, index, weights))
+            if self.gpu is None:
+                hidden, index, weights = (self._to_host(t) for t in (hidden, index, weights))
         t0 = time.perf_counter()
         st = self.stats[self.phase]
         st["calls"] += 1
@@ -255,6 +268,9 @@ class Experts:
         hits, misses, read = s.hits, s.misses, s.stats.read_bytes
         mode = _leave_modes()  # (our own kernels here: a NativeMatmul around the block must not take them)
         try:
+            if not on_host and self.gpu is not None:
+                st["torch"] += 1
+                return self._on_device(m, lay, hidden, index, weights)
             if self._native_ok(m, lay, hidden):
                 st["native"] += 1
                 out = self._native(lay, hidden, index, weights)
@@ -286,13 +302,48 @@ class Experts:
             if keep:  # (a backward reads them after the slot is reused)
                 w = {k: v.clone() for k, v in w.items()}
             top_k_pos, token_idx = torch.where(expert_mask[e])
-            current_state = hidden_states[token_idx]
-            h = _project(current_state, w[gate], w.get(gate + "_bias"), m.is_transposed)
-            h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
-            h = _project(h, w["down_proj"], w.get("down_proj_bias"), m.is_transposed)
-            if getattr(m, "has_post_expert_norm", False):
-                h = m.post_expert_norm(h)
-            h = h * top_k_weights[token_idx, top_k_pos, None]
+            h = _expert(m, w, hidden_states[token_idx], top_k_weights[token_idx, top_k_pos, None])
+            final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
+        return final_hidden_states
+
+    def _on_device(self, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """The eager loop on the device (issue 34, point 4): an expert in the device cache runs
+        there; a miss is copied into it (its unit's bytes only) or computed on the host (its rows
+        across and back), as the cost model prices the expert's bytes against its rows (without
+        one: copied). The same operations, summed on the device in ascending expert order."""
+        gpu = self.gpu
+        assert gpu is not None
+        st = self.stats[self.phase]
+        n = lay.experts
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        hit = [int(i) for i in self._to_host(expert_hit[:, 0]).tolist() if i < n]  # (the one sync of a call)
+        dtype = lay.params[0].parts[0].dtype
+        params = sum(q.numel for ep in lay.params for q in ep.parts)
+        for e in hit:
+            top_k_pos, token_idx = torch.where(expert_mask[e])
+            unit = gpu.get(lay.index, e)
+            if unit is not None:
+                st["gpu_hits"] += 1
+                st["experts"] += 1
+            else:
+                rows = int(token_idx.shape[0])
+                where = self.cost_model.choose(lay.unit_bytes, params, rows, dtype) if self.cost_model is not None else "stream"
+                for _, host_unit in self.store.units(lay, [e]):
+                    if where == "stream":
+                        unit = gpu.put(lay.index, e, host_unit)
+                        st["copied"] += 1
+                        st["h2d_bytes"] += lay.unit_bytes
+                    else:
+                        x = self._to_host(hidden_states[token_idx])
+                        wk = self._to_host(top_k_weights[token_idx, top_k_pos, None])
+                        h = self._to_device(_expert(m, lay.weights(host_unit), x, wk))
+                        st["cpu_computed"] += 1
+            if unit is not None:
+                h = _expert(m, lay.weights(unit), hidden_states[token_idx], top_k_weights[token_idx, top_k_pos, None])
             final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
         return final_hidden_states
 
@@ -347,6 +398,55 @@ def _run_group(lay: ExpertsLayout, group: list[tuple[int, Tensor]], x: Tensor, i
             scales.append(parts.scale)
     quant = any(s is not None for s in gs)
     run_native(x, gu, dn, local, weights, gate_up_scale=gs if quant else None, down_scale=ds if quant else None, out=out, num_threads=threads)
+
+
+def _expert(m: Any, w: dict[str, Tensor], current_state: Tensor, routing: Tensor) -> Tensor:
+    """One expert of transformers' eager loop on its rows: projection, gate, projection, the
+    post-expert norm, the routing weight."""
+    gate = "gate_up_proj" if m.has_gate else "up_proj"
+    h = _project(current_state, w[gate], w.get(gate + "_bias"), m.is_transposed)
+    h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
+    h = _project(h, w["down_proj"], w.get("down_proj_bias"), m.is_transposed)
+    if getattr(m, "has_post_expert_norm", False):
+        h = m.post_expert_norm(h)
+    return h * routing
+
+
+class DeviceCache:
+    """Units on the device (issue 34, point 4): ``capacity`` slots of the largest unit, a
+    segmented LRU over them (``expertstore._Slru``). A copy into a slot waits for the compute
+    issued before it (the slot's last readers) and is waited for by the host before the slot is
+    read (a blocking copy on ``h2d_now``, as a CPU call's outputs go back)."""
+
+    def __init__(self, device: Device, capacity: int, slot_bytes: int, meter: Any = None) -> None:
+        self.device = device
+        self.capacity = capacity
+        self.slots = [device.empty(slot_bytes, torch.uint8, meter) for _ in range(capacity)]
+        self.cache = _Slru(capacity)
+        self.free = list(range(capacity))
+        self.nbytes = capacity * slot_bytes
+
+    def get(self, layout: int, e: int) -> Tensor | None:
+        key = (layout, e)
+        slot = self.cache.get(key)
+        if slot is None:
+            return None
+        self.cache.used(key)
+        return self.slots[slot]
+
+    def put(self, layout: int, e: int, host_unit: Tensor) -> Tensor:
+        """``host_unit`` copied into a slot (the cache's first victim if none is free)."""
+        if self.free:
+            slot = self.free.pop()
+        else:
+            key, slot = next(self.cache.victims())
+            self.cache.drop(key)
+        self.cache.add((layout, e), slot)
+        dev = self.device
+        n = host_unit.numel()
+        dev.stream_waits(dev.h2d_now, dev.record_current())  # after the compute that read the slot
+        dev.copy_blocking([(self.slots[slot][:n], host_unit)], dev.h2d_now)
+        return self.slots[slot]
 
 
 def _project(x: Tensor, w: Tensor, b: Tensor | None, transposed: bool) -> Tensor:

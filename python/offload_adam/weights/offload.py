@@ -27,8 +27,8 @@ from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
 from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
 from . import arguments, costs, progress, summary
 from ..runtime.pages import ALIGN
-from .blocks import Block, Entry, find_blocks, wrapped
-from .experts import Experts, expert_params, find_experts
+from .blocks import TENSOR_ALIGN, Block, Entry, find_blocks, wrapped
+from .experts import DeviceCache, Experts, expert_params, find_experts
 from .expertstore import READ_AHEAD, ExpertsLayout, ExpertStore
 from .checkpoint import Checkpoint
 from .loader import placeholders
@@ -183,6 +183,8 @@ class WeightOffload:
             self.experts = self._experts(routed, a.nvme_dir, undo)
             self.homes = self._homes(undo)
             self.placer = self._placer(a.cost_model)
+            if self.experts is not None:
+                self.experts.cost_model = self.placer.cost_model  # (placement="auto": a miss on the device copied or run on the CPU)
             triggers = {id(m): b.index for b in self.blocks for m in b.modules}
             guess = [triggers[id(m)] for m in model.modules() if id(m) in triggers]
             self.streamer = Streamer(device, self.blocks, self.plan, self.sources, self.meter, guess, self.placeholders, self.homes, self.placer)
@@ -248,7 +250,15 @@ class WeightOffload:
                 undo.keep(ep.param, functools.partial(store.restore, lay, [ep]))
             trim_host_memory()
         store.pin()
-        return Experts(self.device, routed, store, self.native_matmul, self.num_threads)
+        gpu = None
+        if p.on_device and p.gpu_budget is not None:
+            # The device's expert cache: what gpu_budget_gb leaves after the plan's device tier
+            # (resident blocks, buffers, the ring), in units of the largest expert.
+            unit = max(align_up(lay.unit_bytes, TENSOR_ALIGN) for lay in routed)
+            slots = min(max(0, (p.gpu_budget - p.tier_bytes()["device"]) // unit), sum(lay.experts for lay in routed))
+            if slots:
+                gpu = DeviceCache(self.device, slots, unit, self.meter)
+        return Experts(self.device, routed, store, self.native_matmul, self.num_threads, gpu)
 
     def _homes(self, undo: Undo) -> dict[int, list[Home]]:
         """Each streamed parameter's home: its host copy, which an optimizer's step writes (the

@@ -135,6 +135,7 @@ def where(device: str, seed: int) -> Iterator[Any]:
 CASES = [
     ("qwen3_moe", "cpu", "cpu"),
     ("qwen3_moe", "simgpu", "cpu"),
+    ("qwen3_moe", "simgpu+cache", "cpu"),
     ("qwen3_moe", "simgpu", "nvme"),
     ("deepseek_v3", "cpu", "cpu"),
     ("deepseek_v3", "simgpu", "nvme"),
@@ -147,11 +148,14 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
     the same device); the experts get no gradient and stay as they were; no forward saved an
     expert's weight for the backward (its backward reads the unit from the store again: on the
     SSD with no RAM cache, every routed expert is read again, a miss); every routed expert of a
-    forward runs once in its backward."""
+    forward runs once in its backward. ``simgpu+cache``: with gpu_budget_gb, a device expert cache
+    of every unit (point 4) beside; training runs the experts on the host all the same."""
     model = lora_model(name)
     ref = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in routed(model).items()}
     batches = data()
+    cache = device.endswith("+cache")
+    device = device.removesuffix("+cache")
     with where(device, 3) as sim:
         if sim is not None:
             ref.to(sim.torch_device)
@@ -160,8 +164,10 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
     assert expert_shapes(model) & set(ref_saved)  # (the check below can see a saved expert weight)
     kw: dict[str, Any] = {"device": "cpu"} if device == "cpu" else {"resident": lambda n, p: p.requires_grad}
     kw |= {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    kw |= {"gpu_budget_gb": 0.01} if cache else {}
     with where(device, 3):
         h = offload_adam.offload_weights(model, storage=storage, native_matmul=False, **kw)
+        assert (h.report()["expert_gpu_units"] == h.report()["expert_units"]) if cache else "expert_gpu_units" in h.report()
         opt, saved, reports = train(model, batches, h)
         h.close()
     assert not expert_shapes(model) & set(saved), ("an expert's weight was saved for the backward", expert_shapes(model) & set(saved))
@@ -182,6 +188,7 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
         assert fwd["experts"] > 0 and bwd["experts"] == fwd["experts"], r["experts"]
         if storage == "nvme":  # (no RAM cache: host_budget_gb not given)
             assert bwd["misses"] == bwd["experts"] and bwd["read_bytes"] > 0, bwd
+        assert fwd["gpu_hits"] == fwd["copied"] == 0, fwd
 
 
 def test_a_routed_experts_parameter_left_trainable_is_refused_naming_it() -> None:

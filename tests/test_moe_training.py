@@ -55,8 +55,24 @@ def deepseek_v3(seed: int) -> torch.nn.Module:
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
-MODELS = {"qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3}
-TARGETS = {"qwen3_moe": ["q_proj", "v_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"]}  # peft's: the attention's projections
+def gpt_oss(seed: int) -> torch.nn.Module:
+    """Transposed experts with biases, interleaved gate/up and a clamped gate of its own
+    (``_apply_gate``): gate_up [40, 36], down [18, 40]; biases made non-zero."""
+    torch.manual_seed(seed)
+    cfg = transformers.GptOssConfig(
+        num_hidden_layers=2, hidden_size=40, intermediate_size=18, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=10, num_local_experts=8, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+    )  # fmt: skip
+    m = transformers.GptOssForCausalLM(cfg)
+    for n, p in m.named_parameters():
+        if n.endswith("bias") or n.endswith("sinks"):  # (initialised to zeros: made to count)
+            torch.nn.init.normal_(p, std=0.02)
+    return m
+
+
+MODELS = {"qwen3_moe": qwen3_moe, "deepseek_v3": deepseek_v3, "gpt_oss": gpt_oss}
+TARGETS = {"qwen3_moe": ["q_proj", "v_proj"], "deepseek_v3": ["q_b_proj", "kv_b_proj"], "gpt_oss": ["q_proj", "v_proj"]}  # peft's: the attention's
 
 
 def lora_model(name: str, seed: int = 0) -> torch.nn.Module:
@@ -85,8 +101,9 @@ def routed(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
 
 
 def expert_shapes(model: torch.nn.Module) -> set[tuple[int, ...]]:
-    """One expert's weights' shapes (``gate_up_proj[e]``, ``down_proj[e]``) and their transposes."""
-    shapes = {tuple(p.shape[1:]) for p in routed(model).values()}
+    """One expert's weights' shapes (``gate_up_proj[e]``, ``down_proj[e]``) and their transposes
+    (not the biases': a vector of the hidden size is saved by every norm)."""
+    shapes = {tuple(p.shape[1:]) for p in routed(model).values() if p.dim() == 3}
     return shapes | {s[::-1] for s in shapes}
 
 
@@ -139,6 +156,7 @@ CASES = [
     ("qwen3_moe", "simgpu", "nvme"),
     ("deepseek_v3", "cpu", "cpu"),
     ("deepseek_v3", "simgpu", "nvme"),
+    ("gpt_oss", "simgpu", "cpu"),
 ]  # (device="cpu" with storage="nvme" would stream the adapters from the SSD too, which the optimizer refuses)
 
 

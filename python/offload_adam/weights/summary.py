@@ -37,7 +37,8 @@ def describe(rep: dict[str, Any], closed: bool) -> str:
     return (
         f"<WeightOffload {state}storage={rep['storage']!r} device={rep['device']!r} placement={rep['placement']!r}: "
         f"{rep['blocks']} blocks, {rep['streamed_blocks']} streamed, prefetch {rep['prefetch']}; "
-        f"weights {size(rep['weights_bytes'])}" + (f"; {held}" if held else "") + ">"
+        f"weights {size(rep['weights_bytes'])}" + (f"; routed experts {size(rep['expert_bytes'])}" if "expert_bytes" in rep else "")
+        + (f"; {held}" if held else "") + ">"
     )
 
 
@@ -79,6 +80,24 @@ def bound(rep: dict[str, Any], read_gbs: float | None) -> str | None:
     return f"bound: {what} {bw / 1e9:.2f} GB/s / {size(moved[0])} per forward = {bw / moved[0]:.1f} forwards/s"
 
 
+def experts(rep: dict[str, Any]) -> str:
+    """The routed experts (``weights/experts.py``): where their units live, the caches, and per
+    phase what was computed and read."""
+    where = f"on the SSD {size(rep['expert_nvme_bytes'])}, RAM cache {rep['expert_cache_units']} units" if rep["expert_nvme_bytes"] else "in RAM"
+    if rep.get("expert_gpu_units"):
+        where += f", device cache {rep['expert_gpu_units']} units ({size(rep['expert_gpu_bytes'])})"
+    out = f"routed experts: {rep['expert_modules']} modules, {rep['expert_units']} experts of {size(rep['expert_bytes'])} {where}"
+    for ph, st in rep["experts"].items():
+        if st["calls"]:
+            out += (
+                f"; {ph}: {st['experts']} experts over {st['calls']} calls, RAM hits {st['hits']}, misses {st['misses']} "
+                f"({size(st['read_bytes'])} read)"
+            )
+            if st["gpu_hits"] or st["copied"] or st["cpu_computed"]:
+                out += f", device hits {st['gpu_hits']}, copied {st['copied']}, on the CPU {st['cpu_computed']}"
+    return out
+
+
 def summary(rep: dict[str, Any], *, ttft_s: float | None = None, tokens_per_s: float | None = None, read_gbs: float | None = None) -> str:
     """``handle.summary()``: the offload's account, a line per subject (see the module
     documentation)."""
@@ -103,6 +122,8 @@ def summary(rep: dict[str, Any], *, ttft_s: float | None = None, tokens_per_s: f
     lines.append("RAM: " + ", ".join(ram))
     if rep["storage"] == "nvme":
         lines.append(f"NVMe: {size(rep['nvme_bytes'])}; page cache of the offload's files {size(rep['page_cache_bytes'])}")
+    if "expert_units" in rep:
+        lines.append(experts(rep))
     moved = per_forward(rep)
     if moved is not None:
         waits = f"; compute waited {rep['stall_s'] * 1e3:.1f} ms for weights" if on_device else ""

@@ -153,6 +153,7 @@ CASES = [
     ("qwen3_moe", "cpu", "cpu"),
     ("qwen3_moe", "simgpu", "cpu"),
     ("qwen3_moe", "simgpu+cache", "cpu"),
+    ("qwen3_moe", "simgpu+checkpointing", "cpu"),
     ("qwen3_moe", "simgpu", "nvme"),
     ("deepseek_v3", "cpu", "cpu"),
     ("deepseek_v3", "simgpu", "nvme"),
@@ -167,8 +168,14 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
     expert's weight for the backward (its backward reads the unit from the store again: on the
     SSD with no RAM cache, every routed expert is read again, a miss); every routed expert of a
     forward runs once in its backward. ``simgpu+cache``: with gpu_budget_gb, a device expert cache
-    of every unit (point 4) beside; training runs the experts on the host all the same."""
+    of every unit (point 4) beside; training runs the experts on the host all the same.
+    ``simgpu+checkpointing``: transformers' gradient checkpointing (non-reentrant) on both twins:
+    the backward runs each layer's forward again, its experts too."""
     model = lora_model(name)
+    checkpointing = device.endswith("+checkpointing")
+    device = device.removesuffix("+checkpointing")
+    if checkpointing:
+        model.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref = copy.deepcopy(model)
     before = {n: p.detach().clone() for n, p in routed(model).items()}
     batches = data()
@@ -179,7 +186,7 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
             ref.to(sim.torch_device)
         ref_opt, ref_saved, _ = train(ref, batches)
         ref.cpu()
-    assert expert_shapes(model) & set(ref_saved)  # (the check below can see a saved expert weight)
+    assert checkpointing or expert_shapes(model) & set(ref_saved)  # (the check below can see a saved expert weight)
     kw: dict[str, Any] = {"device": "cpu"} if device == "cpu" else {"resident": lambda n, p: p.requires_grad}
     kw |= {"nvme_dir": nvme_dir} if storage == "nvme" else {}
     kw |= {"gpu_budget_gb": 0.01} if cache else {}
@@ -203,7 +210,8 @@ def test_lora_over_host_experts_trains_bitwise_as_over_the_base_resident(name: s
             assert torch.equal(got[i][key], want[i][key]), (i, key)
     for r in reports:
         fwd, bwd = r["experts"]["prompt"], r["experts"]["backward"]
-        assert fwd["experts"] > 0 and bwd["experts"] == fwd["experts"], r["experts"]
+        runs = 2 if checkpointing else 1  # (the forward's experts, and their recompute in the backward)
+        assert fwd["experts"] > 0 and fwd["experts"] == runs * bwd["experts"] and fwd["calls"] == runs * bwd["calls"], r["experts"]
         if storage == "nvme":  # (no RAM cache: host_budget_gb not given)
             assert bwd["misses"] == bwd["experts"] and bwd["read_bytes"] > 0, bwd
         assert fwd["gpu_hits"] == fwd["copied"] == 0, fwd

@@ -100,7 +100,7 @@ class RoutedExpert(torch.autograd.Function):
     unit; its backward gives ``x`` its gradient only (module documentation)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, unit: Tensor, owner: Experts, m: Any, lay: ExpertsLayout, e: int) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, unit: Tensor, owner: Experts, m: Any, lay: ExpertsLayout, e: int, first: bool) -> Tensor:  # type: ignore[override]
         from .experts import _enter_modes, _leave_modes
 
         xh = x if x.device.type == "cpu" else owner._to_host(x)
@@ -110,11 +110,11 @@ class RoutedExpert(torch.autograd.Function):
         finally:
             _enter_modes(mode)
         ctx.save_for_backward(xh)
-        ctx.owner, ctx.m, ctx.lay, ctx.e, ctx.amp = owner, m, lay, e, _amp()
+        ctx.owner, ctx.m, ctx.lay, ctx.e, ctx.amp, ctx.first = owner, m, lay, e, _amp(), first
         return y if x.device.type == "cpu" else owner._to_device(y)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None, None, None]:
         from .experts import _enter_modes, _leave_modes
 
         (xh,) = ctx.saved_tensors
@@ -136,11 +136,12 @@ class RoutedExpert(torch.autograd.Function):
         finally:
             _enter_modes(mode)
             st["experts"] += 1
+            st["calls"] += ctx.first  # (one experts call's backward: its last expert's runs first)
             st["hits"] += s.hits - hits
             st["misses"] += s.misses - misses
             st["read_bytes"] += s.stats.read_bytes - read
             st["cpu_s"] += time.perf_counter() - t0
-        return (gx if on_host else owner._to_device(gx)), None, None, None, None, None
+        return (gx if on_host else owner._to_device(gx)), None, None, None, None, None, None
 
 
 def train_forward(owner: Experts, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
@@ -174,7 +175,7 @@ def _loop(owner: Experts, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top
     for e, unit in owner.store.units(lay, hit):
         top_k_pos, token_idx = torch.where(expert_mask[e])
         current_state = hidden_states[token_idx]
-        h = RoutedExpert.apply(current_state, unit, owner, m, lay, e)
+        h = RoutedExpert.apply(current_state, unit, owner, m, lay, e, e == hit[-1])
         h = h * top_k_weights[token_idx, top_k_pos, None]
         final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
     return final_hidden_states

@@ -265,8 +265,8 @@ def _quantize(m: torch.nn.Module, kind: str) -> None:
 
 @pytest.mark.parametrize("arch,kind", [("qwen3moe", "bf16"), ("deepseek_v3", "bf16"), ("mixtral", "int8"), ("qwen3moe", "fp8")])
 def test_the_native_kernel_agrees_where_the_routing_does(arch: str, kind: str, capsys: pytest.CaptureFixture[str]) -> None:
-    """native_matmul=True: each decode step's experts run on the native kernel; its logits are
-    within 1e-2 of the largest of the resident eager model's wherever every layer routed the
+    """native_matmul=True: each decode step's experts run on the one-call kernel; its logits are
+    within 1e-2 (bf16; 3e-2 quantized) of the largest of the resident eager model's wherever every layer routed the
     token to the same experts (a near-tie in a top-k flips under any change of rounding: such
     steps are counted and printed, not compared). Quantized experts (torchao's int8 and fp8
     weight-only, quantized before the call with FqnToConfig) are read as int8/fp8 with their
@@ -282,12 +282,17 @@ def test_the_native_kernel_agrees_where_the_routing_does(arch: str, kind: str, c
     r = h.report()
     h.close()
     assert r["experts"]["decode"]["native"] == r["experts"]["decode"]["calls"] > 0
+    # bf16: 1e-2 of the largest (issue 34, point 5). int8/fp8: torchao's CPU path, the reference,
+    # rounds each dequantized weight to bf16 before its matmul where the kernel multiplies the
+    # quantized values by their scales in float32 (the weights guide: a few percent apart on small
+    # random models; 1.0% seen here on fp8).
+    tol = 1e-2 if kind == "bf16" else 3e-2
     flips = 0
     for g, w, gr, wr in zip(got, want, got_routes, want_routes):
         if not all(torch.equal(a, b) for a, b in zip(gr, wr)):
             flips += 1
             continue
-        assert (g - w).abs().max() <= 1e-2 * w.abs().max(), (arch, kind)
+        assert (g - w).abs().max() <= tol * w.abs().max(), (arch, kind)
     assert flips < len(got) // 2
     with capsys.disabled():
         print(f"\n{arch} {kind}: routing flipped at {flips} of {len(got)} decode steps")
@@ -480,7 +485,8 @@ def test_the_device_expert_cache_is_bitwise_the_eager_experts_loop(arch: str, pl
     m = model(arch)
     want = reference(arch)
     kw: dict[str, Any] = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
-    with testing.simulated_device(seed=2, max_delay_s=0.001) as sim:
+    # (delays where slots are overwritten: a cache holding every expert writes each slot once)
+    with testing.simulated_device(seed=2, max_delay_s=0.001 if cache == "small" else 0.0) as sim:
         budget = 0.5
         if cache == "small":
             tier = offload_adam.plan_weights(m, placement=placement, storage=storage, gpu_budget_gb=0.5, **kw).tier_bytes()["device"]

@@ -25,9 +25,9 @@ computes them on the host:
   ``act_fn``, the post-expert norm, the routing weight, ``index_add_``), so that the result is
   bitwise that of the resident model run with ``experts_implementation="eager"``;
 - with the native kernel (bfloat16, torchao's int8 and fp8 weight-only experts, a decode step,
-  the default gated SiLU layout): :func:`run_native`, which has the signature of the one-call
-  routed-experts kernel being written (``_native.experts``) and runs the few-row kernel
-  (``_native.linear``) per expert today: the kernel's call replaces its body.
+  the default gated SiLU layout): :func:`run_native`, one call of the routed-experts kernel
+  (``_native.experts``) for a layer's routed experts where their units all live in RAM, one per
+  expert as they are read from the SSD.
 
 A module called on a device (the layer streamed to a GPU) runs its experts from the device's
 expert cache (:class:`DeviceCache`, ``gpu_budget_gb``'s remainder, issue 34's point 4: a miss copied
@@ -123,28 +123,16 @@ def run_native(
     out: Tensor, act: str = "silu", num_threads: int = 1,
 ) -> None:  # fmt: skip
     """``out[r] = sum_k weights[r, k] * down[u] @ (silu(g) * u)`` with ``g; u = gate_up[u] @ x[r]``,
-    ``u = index[r, k]`` (``-1``: skipped): the signature of the one-call routed-experts kernel
-    (``_native.experts``); today the few-row kernel per expert (``_native.linear``: each product
-    summed in float32 and rounded once to ``x``'s dtype), the gate in torch, the weighted sum in
-    float32 rounded once into ``out``. ``x`` ``[rows, H]``, ``gate_up[u]`` ``[2I, H]`` (gate;up),
+    ``u = index[r, k]`` (``-1``: skipped), in one call of the routed-experts kernel
+    (``_native.experts``: the intermediate in float32, rounded once; its bound in
+    ``rust/linear/experts.rs``). ``x`` ``[rows, H]``, ``gate_up[u]`` ``[2I, H]`` (gate;up),
     ``down[u]`` ``[H, I]``, bfloat16, or int8/float8_e4m3fn with their per-row scales."""
-    if act != "silu":
-        raise ValueError(f"act: only 'silu' is implemented, got {act!r}")
-    acc = torch.zeros(out.shape, dtype=torch.float32)
-    for u in range(len(gate_up)):
-        rows, ks = torch.where(index == u)
-        if not rows.numel():
-            continue
-        xr = x[rows].contiguous()
-        w1, w2 = gate_up[u], down[u]
-        h = torch.empty((xr.shape[0], w1.shape[0]), dtype=x.dtype)
-        _native.linear(xr, w1, gate_up_scale[u] if gate_up_scale else None, None, out=h, num_threads=num_threads)
-        g, up = h.chunk(2, dim=-1)
-        a = (F.silu(g) * up).contiguous()
-        y = torch.empty((xr.shape[0], w2.shape[0]), dtype=x.dtype)
-        _native.linear(a, w2, down_scale[u] if down_scale else None, None, out=y, num_threads=num_threads)
-        acc.index_add_(0, rows, y.float() * weights[rows, ks, None].float())
-    out.copy_(acc)
+    gs = [t.reshape(-1) for t in gate_up_scale] if gate_up_scale else None  # type: ignore[union-attr]
+    ds = [t.reshape(-1) for t in down_scale] if down_scale else None  # type: ignore[union-attr]
+    _native.experts(
+        x, gate_up, down, index, weights.to(x.dtype).contiguous(), gate_up_scale=gs, down_scale=ds, out=out, act=act,
+        num_threads=num_threads,
+    )  # fmt: skip
 
 
 class Experts:

@@ -53,6 +53,7 @@ from torch import Tensor
 from .. import _native
 from ..runtime.device import Device
 from .costs import CostModel
+from .expertgrad import builds_graph, check_unwrapped, train_forward
 from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, _Slru, expert_param
 from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
 from .placement import call_shape
@@ -100,6 +101,7 @@ def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> 
                     "model's own tensors (checkpoint= does not fill them yet: load the model, then offload it)"
                 )
             params.append(expert_param(where, pname, p, e))
+        check_unwrapped(model, m, where)  # (an adapter on the experts' parameters: expertgrad.py)
         lay = ExpertsLayout(len(out), where, m, e, params)
         lay.layout()
         out.append(lay)
@@ -160,7 +162,7 @@ class Experts:
             "calls": 0, "experts": 0, "hits": 0, "misses": 0, "read_bytes": 0, "native": 0, "torch": 0, "cpu_s": 0.0,
             "gpu_hits": 0, "copied": 0, "cpu_computed": 0, "h2d_bytes": 0,
         }  # fmt: skip
-        self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z)}
+        self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z), "backward": dict(z)}
 
     def report(self) -> dict[str, Any]:
         s = self.store
@@ -241,15 +243,10 @@ class Experts:
         return True
 
     def forward(self, m: torch.nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+        if builds_graph(lay, hidden, weights):  # (training: expertgrad.py)
+            return train_forward(self, m, lay, hidden, index, weights)
         on_host = hidden.device.type == "cpu"
         if not on_host:
-            if torch.is_grad_enabled() and (hidden.requires_grad or weights.requires_grad):
-                raise NotImplementedError(
-                    f"{lay.name}: a forward building a graph through routed experts offloaded by offload_weights on "
-                    f"{hidden.device} (their sum is computed on the host, and the copies across carry no gradient): "
-                    "training through offloaded experts on a device is issue 34's point 6; run it under torch.no_grad(), "
-                    "or with device='cpu'"
-                )
             if self.gpu is None:
                 hidden, index, weights = (self._to_host(t) for t in (hidden, index, weights))
         t0 = time.perf_counter()

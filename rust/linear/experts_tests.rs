@@ -445,7 +445,7 @@ fn the_call_is_the_loop_of_linear_calls_on_the_same_path() {
                         scale: gate_up.scale().map_or(vec![1.0; 2 * inter], |s| s.per_row(2 * inter)),
                         bias: vec![0.0; 2 * inter],
                     };
-                    dispatch!(simd, run(None, &job, ActMut::F32(&mut gu)));
+                    dispatch!(simd, run(None, None, &job, ActMut::F32(&mut gu)));
                     let h: Vec<f32> = (0..inter).map(|i| o.act.apply(gu[i]) * gu[inter + i]).collect();
                     let mut y = vec![0.0f32; hidden];
                     linear(

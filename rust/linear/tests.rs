@@ -211,7 +211,7 @@ fn the_portable_lanes_are_within_the_bound() {
                     scale: c.weight(kind).scale().map_or(vec![1.0; n], |s| s.per_row(n)),
                     bias: c.bias.clone(),
                 };
-                run::<tile::PortablePath>(pool.as_deref(), &job, out);
+                run::<tile::PortablePath>(None, pool.as_deref(), &job, out);
                 let y: Vec<f32> = if bf16_x {
                     ob.iter().map(|v| bf16_to_f32(v.0)).collect()
                 } else {

@@ -3,27 +3,10 @@
 //! calls on the same path; thread counts and batches give the same bits; bad input refused first.
 
 use super::experts::{experts, Activation, Expert, ExpertsShape};
+use super::test_util::{same_bits, Rng};
 use super::*;
 use crate::elem::{f32_to_f16, F16};
 use crate::isa::Simd;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -120,7 +103,7 @@ struct Case {
 
 /// A random case: `rows` rows, `u` experts, `k` slots with duplicates and skips.
 fn case(rows: usize, hidden: usize, inter: usize, u: usize, k: usize, seed: u64) -> Case {
-    let mut g = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut g = Rng::seeded(seed);
     let x32: Vec<f32> = (0..rows * hidden).map(|_| g.f() * 2.0).collect();
     let xb = x32.iter().map(|&v| Bf16(f32_to_bf16(v))).collect();
     let gate_up = (0..u).map(|_| mat(&mut g, 2 * inter, hidden, 0.3)).collect();
@@ -192,9 +175,7 @@ impl Case {
         let pool = crate::pool::get(threads).unwrap();
         let ExpertsShape { rows, hidden, .. } = self.shape;
         let ex = self.experts(o);
-        if o.bf16_x {
-            let mut out = vec![Bf16(0x7fc0); rows * hidden];
-            let a = ActMut::Bf16(&mut out);
+        let call = |a: ActMut<'_>| {
             experts(
                 simd,
                 pool.as_deref(),
@@ -206,23 +187,15 @@ impl Case {
                 o.act,
                 a,
             )
-            .unwrap();
+            .unwrap()
+        };
+        if o.bf16_x {
+            let mut out = vec![Bf16(0x7fc0); rows * hidden];
+            call(ActMut::Bf16(&mut out));
             out.iter().map(|v| bf16_to_f32(v.0)).collect()
         } else {
             let mut out = vec![f32::NAN; rows * hidden];
-            let a = ActMut::F32(&mut out);
-            experts(
-                simd,
-                pool.as_deref(),
-                self.shape,
-                self.x(o),
-                &ex,
-                &self.index,
-                self.weights(o),
-                o.act,
-                a,
-            )
-            .unwrap();
+            call(ActMut::F32(&mut out));
             out
         }
     }
@@ -492,11 +465,7 @@ fn results_depend_neither_on_threads_nor_on_the_batch() {
             let one = c.run(simd, 1, o);
             for threads in [2, 3, 5] {
                 let y = c.run(simd, threads, o);
-                assert!(
-                    one.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} {kind:?} {threads} threads",
-                    simd.name()
-                );
+                assert!(same_bits(&one, &y), "{} {kind:?} {threads} threads", simd.name());
             }
             // Row 4 alone.
             let r = 4;
@@ -527,9 +496,7 @@ fn results_depend_neither_on_threads_nor_on_the_batch() {
             )
             .unwrap();
             assert!(
-                out.iter()
-                    .zip(&one[r * hidden..])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&out, &one[r * hidden..]),
                 "{} {kind:?}: row {r} alone",
                 simd.name()
             );

@@ -86,6 +86,8 @@ mod vector;
 #[cfg(test)]
 mod experts_tests;
 #[cfg(test)]
+mod test_util;
+#[cfg(test)]
 mod tests;
 
 /// Rows of activations (row-major `[rows, in]`), or a bias (`[out]`).

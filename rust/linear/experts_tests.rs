@@ -36,17 +36,8 @@ struct Mat {
 
 fn mat(g: &mut Rng, n: usize, k: usize, amp: f32) -> Mat {
     let wb = (0..n * k).map(|_| Bf16(f32_to_bf16(g.f() * amp))).collect();
-    let q8 = (0..n * k).map(|_| ((g.next() % 255) as i32 - 127) as i8).collect();
-    let f8 = (0..n * k)
-        .map(|_| {
-            let c = (g.next() % 256) as u8;
-            if c & 0x7f == 0x7f {
-                c - 1
-            } else {
-                c
-            }
-        })
-        .collect();
+    let q8 = (0..n * k).map(|_| g.int8()).collect();
+    let f8 = (0..n * k).map(|_| g.fp8()).collect();
     let s32: Vec<f32> = (0..n).map(|_| (g.f().abs() + 0.01) * amp / 64.0).collect();
     let sb = s32.iter().map(|&s| Bf16(f32_to_bf16(s))).collect();
     let sh = s32.iter().map(|&s| F16(f32_to_f16(s))).collect();

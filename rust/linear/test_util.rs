@@ -18,6 +18,19 @@ impl Rng {
     pub(crate) fn f(&mut self) -> f32 {
         (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
     }
+    /// An int8 code, uniform in -127..=127 (the symmetric range the quantizers write).
+    pub(crate) fn int8(&mut self) -> i8 {
+        ((self.next() % 255) as i32 - 127) as i8
+    }
+    /// An fp8 (e4m3fn) code: every one but the NaNs (0x7f, 0xff), subnormals and zeros included.
+    pub(crate) fn fp8(&mut self) -> u8 {
+        let c = (self.next() % 256) as u8;
+        if c & 0x7f == 0x7f {
+            c - 1
+        } else {
+            c
+        }
+    }
     /// Uniform in `0..n`.
     pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize

@@ -29,20 +29,8 @@ fn case(rows: usize, k: usize, n: usize, seed: u64) -> Case {
     let x32: Vec<f32> = (0..rows * k).map(|_| g.f() * 4.0).collect();
     let xb = x32.iter().map(|&v| Bf16(f32_to_bf16(v))).collect();
     let wb = (0..n * k).map(|_| Bf16(f32_to_bf16(g.f() * 0.1))).collect();
-    let q8 = (0..n * k)
-        .map(|_| ((g.next() % 255) as i32 - 127) as i8)
-        .collect::<Vec<i8>>();
-    // Every fp8 code but the NaNs (0x7f, 0xff), subnormals and zeros included.
-    let f8 = (0..n * k)
-        .map(|_| {
-            let c = (g.next() % 256) as u8;
-            if c & 0x7f == 0x7f {
-                c - 1
-            } else {
-                c
-            }
-        })
-        .collect();
+    let q8 = (0..n * k).map(|_| g.int8()).collect::<Vec<i8>>();
+    let f8 = (0..n * k).map(|_| g.fp8()).collect();
     let scale = (0..n).map(|_| (g.f().abs() + 0.01) * 0.02).collect();
     let bias = (0..n).map(|_| g.f()).collect();
     Case {

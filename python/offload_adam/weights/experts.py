@@ -75,10 +75,11 @@ def is_fused_experts(m: torch.nn.Module) -> bool:
     return isinstance(n, int) and down is not None and down.dim() >= 2 and down.shape[0] == n
 
 
-def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> list[ExpertsLayout]:
+def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset(), checkpoint: bool = False) -> list[ExpertsLayout]:
     """The fused experts modules of ``model`` (see the module documentation) with their fused
     parameters (every parameter of the module whose first dimension is ``num_experts``), laid out
-    as units. Raises naming the module where one cannot be offloaded per expert."""
+    as units. Raises naming the module where one cannot be offloaded per expert. ``checkpoint``:
+    a checkpoint fills the units (a parameter may be on the meta device)."""
     out: list[ExpertsLayout] = []
     seen: set[int] = set()
     for name, m in model.named_modules():
@@ -95,11 +96,8 @@ def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> 
                 continue
             if id(p) in keep:
                 raise ValueError(f"resident: {where}.{pname} is a routed experts parameter, offloaded per expert; leave it out of resident=")
-            if p.device.type == "meta":
-                raise ValueError(
-                    f"model: {where}.{pname} is on the meta device: routed experts are stored per expert from the "
-                    "model's own tensors (checkpoint= does not fill them yet: load the model, then offload it)"
-                )
+            if p.device.type == "meta" and not checkpoint:
+                raise ValueError(f"model: {where}.{pname} is on the meta device: pass checkpoint= to load the weights")
             params.append(expert_param(where, pname, p, e))
         check_unwrapped(model, m, where)  # (an adapter on the experts' parameters: expertgrad.py)
         lay = ExpertsLayout(len(out), where, m, e, params)

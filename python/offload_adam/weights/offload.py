@@ -30,7 +30,7 @@ from ..runtime.pages import ALIGN
 from .blocks import TENSOR_ALIGN, Block, Entry, find_blocks, wrapped
 from .experts import DeviceCache, Experts, expert_params, find_experts
 from .expertstore import READ_AHEAD, ExpertsLayout, ExpertStore
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, ExpertSources
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
 from .plan import WeightPlan, describe, make_plan, staging_slots, warn_capped
@@ -79,7 +79,7 @@ def _prepare(model: torch.nn.Module, a: _Args, undo: Undo) -> tuple[list[Block],
     if a.quantize is not None:
         quantize_blocks(model, a.blocks, checkpoint, a.quantize, a.keep, undo)
         checkpoint = None  # (read: the model is on the host now, quantized)
-    routed = find_experts(model, a.keep)
+    routed = find_experts(model, a.keep, checkpoint is not None)
     return find_blocks(model, a.blocks, a.keep | expert_params(routed)), checkpoint, routed
 
 
@@ -174,13 +174,15 @@ class WeightOffload:
             self.placeholders = placeholders(device, [self.blocks[i] for i in self.streamed], self.meter)
             ck = Checkpoint(checkpoint) if checkpoint is not None else None
             try:
-                self._fill(ck, _buffers(model), undo)
+                # (the experts' tensors found first: their names are the checkpoint's too)
+                located = ck.locate_experts(routed) if ck is not None else None
+                self._fill(ck, _buffers(model), undo, located.used if located is not None else set())
                 for src in self.sources:
                     src.pin()
+                self.experts = self._experts(routed, a.nvme_dir, undo, ck, located)
             finally:
                 if ck is not None:
                     ck.close()
-            self.experts = self._experts(routed, a.nvme_dir, undo)
             self.homes = self._homes(undo)
             self.placer = self._placer(a.cost_model)
             if self.experts is not None:
@@ -228,11 +230,14 @@ class WeightOffload:
             raise
         return Sources(host, nvme, {b.index for b in ram})
 
-    def _experts(self, routed: list[ExpertsLayout], nvme_dir: Any, undo: Undo) -> Experts | None:
+    def _experts(
+        self, routed: list[ExpertsLayout], nvme_dir: Any, undo: Undo, ck: Checkpoint | None = None, found: ExpertSources | None = None
+    ) -> Experts | None:
         """The fused routed experts stored per expert (``expertstore.py``), in RAM or on the SSD
         with a RAM cache of what ``host_budget_gb`` leaves after the plan's RAM tier (the dense
         blocks it keeps and its ring: a dense part is read every token, an expert only when
-        routed), their parameters on the meta device meanwhile."""
+        routed), their parameters on the meta device meanwhile. With a checkpoint (``ck``), each
+        unit is read from it alone (``checkpoint.py``: fused or per-expert tensors)."""
         if not routed:
             return None
         p = self.plan
@@ -244,8 +249,14 @@ class WeightOffload:
         store = ExpertStore(routed, self.arena, nvme_dir if p.storage == "nvme" else None, capacity)
         undo.add(store.close)
         for lay in routed:
-            store.fill(lay)
+            if found is not None and ck is not None:
+                pieces = [found.pieces[(lay.index, ep.name)] for ep in lay.params]
+                store.fill_from(lay, lambda e, unit, pieces=pieces: ck.read_pieces([x for per in pieces for x in per[e]], unit))  # type: ignore[misc]
+            else:
+                store.fill(lay)
             for ep in lay.params:
+                if ep.param.device.type == "meta":
+                    continue  # (filled from the checkpoint: a failure leaves it there)
                 _to_meta(Entry(ep.param, [f"{lay.name}.{ep.name}"]))
                 undo.keep(ep.param, functools.partial(store.restore, lay, [ep]))
             trim_host_memory()
@@ -306,7 +317,7 @@ class WeightOffload:
                     hc.attach(m, b.index)
         return hc
 
-    def _fill(self, ck: Checkpoint | None, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
+    def _fill(self, ck: Checkpoint | None, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo, used: set[str]) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
         the model's own tensors or the checkpoint, block by block, its parameters then pointed
         at their placeholders or device copies; ``undo`` records how to put each back (see
@@ -316,7 +327,7 @@ class WeightOffload:
         block; the others' tensors are kept until the offload is complete (the host holds them
         anyway: they go to NVMe or the GPU)."""
         dev = self.device
-        where = ck.locate(self.blocks, set(self.model.state_dict(keep_vars=True))) if ck is not None else {}
+        where = ck.locate(self.blocks, set(self.model.state_dict(keep_vars=True)) | used) if ck is not None else {}
         every_resident = self.resident
         for b in progress.blocks(self.blocks, len(self.blocks), "offload_weights: filling blocks"):  # (a bar on a terminal, past 3 s)
             resident = b.index in every_resident

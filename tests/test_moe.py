@@ -7,6 +7,7 @@ gate of their own) built from small configs."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from typing import Any
@@ -563,3 +564,40 @@ def test_the_device_expert_cache_is_bitwise_the_eager_experts_loop(arch: str, pl
     assert sum(p["h2d_bytes"] for p in ph.values()) == copied * unit
     if placement == "auto":
         assert sum(p["cpu_computed"] for p in ph.values()) > 0  # an expert of one row: on the host
+
+
+# -- the plan ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("storage,cache,device", [("cpu", "none", False), ("nvme", "small", False), ("nvme", "none", True)])
+def test_the_plan_lists_the_expert_store_as_the_offload_builds_it(storage: str, cache: str, device: bool, nvme_dir: str) -> None:
+    """plan_weights' ``experts`` (an ExpertsPlan) says what offload_weights builds: units, bytes,
+    where they live, the RAM and device caches' sizes, report()'s figures one for one; str(plan)
+    and summary() say them."""
+    m = model("qwen3moe")
+    kw: dict[str, Any] = {"nvme_dir": nvme_dir, "host_budget_gb": host_budget(m, nvme_dir, cache)} if storage == "nvme" else {}
+    with testing.simulated_device(seed=1, max_delay_s=0.0) if device else contextlib.nullcontext():
+        if device:
+            kw["gpu_budget_gb"] = (offload_adam.plan_weights(m, storage=storage, **kw).tier_bytes()["device"] + 5 * h_unit(m)) / 2**30
+        else:
+            kw["device"] = "cpu"
+        plan = offload_adam.plan_weights(m, storage=storage, native_matmul=False, **kw)
+        xp = plan.experts
+        assert xp is not None
+        h = offload_adam.offload_weights(m, storage=storage, native_matmul=False, **kw)
+        r = h.report()
+        summary = h.summary()
+        h.close()
+    want = {
+        "modules": r["expert_modules"], "units": r["expert_units"], "nbytes": r["expert_bytes"], "ram_bytes": r["expert_ram_bytes"],
+        "cache_units": r["expert_cache_units"], "nvme_bytes": r["expert_nvme_bytes"], "gpu_units": r["expert_gpu_units"],
+        "gpu_bytes": r["expert_gpu_bytes"],
+    }  # fmt: skip
+    assert {k: getattr(xp, k) for k in want} == want
+    assert h.plan.experts == xp and xp.home == ("nvme" if storage == "nvme" else "ram")
+    assert xp.units == sum(e.num_experts for e in experts_modules(m)) and xp.modules == len(experts_modules(m))
+    if cache == "small":
+        assert xp.cache_units == 3
+    if device:
+        assert 0 < xp.gpu_units < xp.units and xp.gpu_bytes == xp.gpu_units * h_unit(m)  # (a budget of 5 more units: the plan resident what fits first)
+    assert f"{xp.units} experts" in str(plan) and f"{xp.units} experts" in summary

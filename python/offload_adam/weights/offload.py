@@ -24,16 +24,15 @@ from torch import Tensor
 from ..runtime import checks
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
-from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
+from ..runtime.pinned import PinnedArena, trim_host_memory
 from . import arguments, costs, progress, summary
-from ..runtime.pages import ALIGN
-from .blocks import TENSOR_ALIGN, Block, Entry, find_blocks, wrapped
+from .blocks import Block, Entry, find_blocks, wrapped
 from .experts import DeviceCache, Experts, expert_params, find_experts
-from .expertstore import READ_AHEAD, ExpertsLayout, ExpertStore
+from .expertstore import ExpertsLayout, ExpertStore
 from .checkpoint import Checkpoint, ExpertSources
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
-from .plan import WeightPlan, describe, make_plan, staging_slots, warn_capped
+from .plan import WeightPlan, describe, experts_plan, make_plan, staging_slots, warn_capped
 from .quantize import Quantizer, quantize_blocks, quantizer
 from .storage import HostWeights, NvmeWeights, Sources
 from .streamer import Streamer
@@ -87,8 +86,9 @@ def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Tensor]
     return [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
 
 
-def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args) -> WeightPlan:
-    """The plan of ``blocks`` under the arguments ``a`` (pure: see ``plan.py``)."""
+def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args, routed: list[ExpertsLayout]) -> WeightPlan:
+    """The plan of ``blocks`` and the expert store of ``routed`` under the arguments ``a`` (pure:
+    see ``plan.py``)."""
     kept = [p for p in model.parameters() if id(p) in a.keep]
     buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in _buffers(model)) + sum(p.numel() * p.element_size() for p in kept)
     on_device = not isinstance(a.device, HostDevice)
@@ -99,6 +99,7 @@ def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args) -> WeightPla
         host_budget=None if a.host_budget_gb is None else int(a.host_budget_gb * GiB),
     )  # fmt: skip
     p.args = dict(a.raw)
+    p.experts = experts_plan(p, [(lay.experts, lay.unit_bytes) for lay in routed])
     return p
 
 
@@ -161,8 +162,10 @@ class WeightOffload:
         self.native_matmul = a.native_matmul
         with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
             self.blocks, checkpoint, routed = _prepare(model, a, undo)
-            found = _plan_of(model, self.blocks, a)
+            found = _plan_of(model, self.blocks, a, routed)
             self.plan = found if plan is None else _matched(plan, found)
+            # (the expert store follows the blocks' homes, which a plan given may have edited)
+            self.plan.experts = experts_plan(self.plan, [(lay.experts, lay.unit_bytes) for lay in routed])
             warn_capped(self.plan, 4)
             # resident=: parameters in no block, on the device for the whole offload (as buffers)
             self.kept = [p for p in model.parameters() if id(p) in a.keep]
@@ -241,11 +244,9 @@ class WeightOffload:
         if not routed:
             return None
         p = self.plan
-        capacity = 0
-        if p.storage == "nvme" and p.host_budget is not None:
-            unit = max(align_up(lay.unit_bytes, ALIGN) for lay in routed)
-            left = p.host_budget - p.tier_bytes()["ram"] - READ_AHEAD * unit
-            capacity = min(max(0, left // unit), sum(lay.experts for lay in routed))
+        xp = p.experts  # (the plan's expert store: its caches' sizes, as plan_weights says them)
+        assert xp is not None
+        capacity = xp.cache_units
         store = ExpertStore(routed, self.arena, nvme_dir if p.storage == "nvme" else None, capacity)
         undo.add(store.close)
         for lay in routed:
@@ -261,14 +262,7 @@ class WeightOffload:
                 undo.keep(ep.param, functools.partial(store.restore, lay, [ep]))
             trim_host_memory()
         store.pin()
-        gpu = None
-        if p.on_device and p.gpu_budget is not None:
-            # The device's expert cache: what gpu_budget_gb leaves after the plan's device tier
-            # (resident blocks, buffers, the ring), in units of the largest expert.
-            unit = max(align_up(lay.unit_bytes, TENSOR_ALIGN) for lay in routed)
-            slots = min(max(0, (p.gpu_budget - p.tier_bytes()["device"]) // unit), sum(lay.experts for lay in routed))
-            if slots:
-                gpu = DeviceCache(self.device, slots, unit, self.meter)
+        gpu = DeviceCache(self.device, xp.gpu_units, xp.gpu_bytes // xp.gpu_units, self.meter) if xp.gpu_units else None
         return Experts(self.device, routed, store, self.native_matmul, self.num_threads, gpu)
 
     def _homes(self, undo: Undo) -> dict[int, list[Home]]:
@@ -767,8 +761,8 @@ def plan_weights(
     a = _check_args(**locals())
     undo = Undo(model)
     try:
-        found, _, _ = _prepare(model, a, undo)
-        return _plan_of(model, found, a)
+        found, _, routed = _prepare(model, a, undo)
+        return _plan_of(model, found, a, routed)
     finally:
         undo.undo()
 

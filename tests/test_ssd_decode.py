@@ -157,3 +157,22 @@ def test_a_head_larger_than_a_layer_runs_from_its_own_page_read_once(nvme_dir: s
     assert r["host_ring_bytes"] == hr.nbytes
     h.close()
 
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3])
+@torch.no_grad()
+def test_every_page_is_read_ahead_none_on_demand(prefetch: int, nvme_dir: str) -> None:
+    """The read-ahead keeps ``prefetch`` pages in flight: after the first forward no page is read
+    when its block is asked for. The cursor once moved past the blocks run on the CPU without
+    reading them (the read-ahead started after them): at prefetch 2 every third block was read
+    on demand, its read not overlapped with the blocks before it."""
+    model = llama(torch.float32, prefetch, layers=6)
+    ref = copy.deepcopy(model)
+    x = prompt(prefetch)
+    h = offload_adam.offload_weights(model, device="cpu", storage="nvme", nvme_dir=nvme_dir, prefetch=prefetch, native_matmul=False)
+    ring = h.sources.nvme.ring
+    assert torch.equal(model(x).logits, ref(x).logits)
+    ring.misses = 0
+    for _ in range(3):
+        assert torch.equal(model(x).logits, ref(x).logits)
+    assert ring.misses == 0
+    h.close()

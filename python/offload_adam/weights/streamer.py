@@ -134,7 +134,14 @@ class Streamer:
         while (due := cy.due(g, self.prefetch)) is not None:
             b, p, first, last = due
             if self.placer.predict(b) == "cpu":
-                cy.skip()  # it will run from its host bytes: read ahead below, not copied
+                # It will run from its host bytes: read ahead into the RAM ring, not copied. The
+                # cursor stays on it while no page is free (it moved past once, and the read-ahead
+                # below starts after the cursor: every third block was read on demand, its read
+                # not overlapped with the blocks before it, at prefetch 2).
+                blk = self.blocks[b]
+                if not self._by_rows(b) and not self.sources.of(blk).start(blk):
+                    break
+                cy.skip()
                 continue
             homes = self.loader.homes.get(b, ())
             if homes and not all(h.ready.is_set() for h in homes):

@@ -78,18 +78,18 @@ def measure(
         torch.cuda.empty_cache()
     with torch.device("meta"):  # no initialization on the CPU (minutes at 1.1B): the state is loaded
         model = GPT(args.vocab, args.ctx, args.d_model, args.layers, args.heads).to(torch.bfloat16)
-    model = model.to_empty(device=args.device)
+    model = model.to_empty(device=args.on)
     model.load_state_dict(state)  # `state` is on the CPU: it is in no contender's GPU peak
     opt = make_opt(model)
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    g = torch.Generator(device=args.device).manual_seed(0)
+    g = torch.Generator(device=args.device).manual_seed(0)  # (the smoke test's: the CPU's)
     # No synchronize per step (it would hide missing waits and the async overlap): each step's
     # boundaries are CUDA events on the current stream, read once at the end.
     marks, losses, stats = [], [], []
     for i in range(args.steps):
-        x = torch.randint(0, args.vocab, (args.batch, args.ctx), device=args.device, generator=g)
+        x = torch.randint(0, args.vocab, (args.batch, args.ctx), device=args.device, generator=g).to(args.on)
         e = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if cuda else []
         t = [time.perf_counter()]
         if cuda:
@@ -159,15 +159,17 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument(
         "--device", default="cuda",
-        help="cuda; cpu only to smoke-test this script (offload_adam then streams through its simulated device)",
+        help="cuda; cpu only to smoke-test this script (the model then runs on offload_adam's simulated device)",
     )  # fmt: skip
     args = ap.parse_args()
     if args.device == "cpu":
         from offload_adam import testing
 
-        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, keep_open=True):
+        with testing.simulated_device(max_delay_s=0.0, lazy=False, keep_open=True) as sim:
+            args.on = sim.torch_device  # each contender's model and batches there, as on "cuda"
             run(args)
     else:
+        args.on = torch.device(args.device)
         run(args)
 
 

@@ -115,8 +115,8 @@ def _device() -> Iterator[tuple[str, torch.device | None]]:
         return
     from offload_adam import testing
 
-    with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False):
-        yield "no GPU here: the simulated device (CPU tensors as device memory; the times are the CPU's, not a GPU's)", None
+    with testing.simulated_device(max_delay_s=0.0, lazy=False) as sim:
+        yield f"no GPU here: the simulated device, {sim.torch_device} (its memory the CPU's; the times are the CPU's, not a GPU's)", sim.torch_device
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +165,7 @@ def run(args: argparse.Namespace, where: str, inputs_to: torch.device | None) ->
         opt.step()
         sched.step()
         opt.zero_grad()
-        if inputs_to is not None:
+        if inputs_to is not None and inputs_to.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())

@@ -177,7 +177,7 @@ def main() -> None:
     ap.add_argument("--host-budget-gb", type=float, default=0.0, help="--storage nvme: state kept in RAM")
     ap.add_argument(
         "--simulate", action="store_true",
-        help="on the CPU, stream as to a GPU: through offload_adam.testing's simulated device (no delays)",
+        help="on the CPU, train as on a GPU: the model and batches on offload_adam.testing's simulated device (no delays)",
     )  # fmt: skip
     ap.add_argument(
         "--state-dtype", default="float32", choices=["float32", "bfloat16", "uint8", "float8_e4m3fn"],
@@ -201,14 +201,17 @@ def main() -> None:
     if args.simulate:
         from offload_adam import testing
 
-        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, keep_open=True):
-            run(args)
+        with testing.simulated_device(max_delay_s=0.0, lazy=False, keep_open=True) as sim:
+            run(args, sim.torch_device)
     else:
         run(args)
 
 
-def run(args: argparse.Namespace) -> None:
-    dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu"))
+def run(args: argparse.Namespace, dev: torch.device | None = None) -> None:
+    """``dev``: where the model and the batches go (default: ``--device``; the simulated device's
+    with ``--simulate``, as to a GPU)."""
+    if dev is None:
+        dev = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else args.device.replace("auto", "cpu"))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
@@ -219,7 +222,7 @@ def run(args: argparse.Namespace) -> None:
     streamed = None
     if args.offload_weights:
         # Before the optimizer: it then trains the host copies the streamer reads.
-        streamed = offload_adam.offload_weights(model, device=dev if dev.type == "cuda" else None, prefetch=args.prefetch)
+        streamed = offload_adam.offload_weights(model, device=dev if dev.type != "cpu" else None, prefetch=args.prefetch)
     else:
         model = model.to(dev)
     n_params = sum(p.numel() for p in model.parameters())
@@ -328,7 +331,7 @@ def run(args: argparse.Namespace) -> None:
         med = {k: statistics.median(float(r[k]) for r in weights_steps) for k in ("h2d_bytes", "stall_s", "on_demand_loads")}
         down = statistics.median(b.get("d2h_bytes", 0.0) for b in breakdown)
         up_opt = statistics.median(b.get("h2d_bytes", 0.0) for b in breakdown)
-        where = "simulated device" if not cuda else str(dev)
+        where = str(dev) if cuda else f"simulated device, {dev}"
         print(
             f"weights streamed ({where}, prefetch {args.prefetch}): {rep['streamed_blocks']} of {rep['blocks']} blocks, "
             f"{rep['streamed_bytes'] / 2**20:.2f} MiB; per step (median): up {med['h2d_bytes'] / 2**20:.2f} MiB of weights "

@@ -6,14 +6,19 @@ import torch
 from offload_adam.testing import simbackend
 
 # The simulated device's type, registered before any backward runs: autograd sizes its per-device
-# queues once, at the process's first backward (a process that registers it later cannot run a
-# backward on it; simulated_device() registers it too, for scripts).
-try:
-    simbackend.register()
-except Exception as e:  # a torch without Python-registered PrivateUse1 backends: the CUDA tests still run
-    import warnings
+# queues once, at the process's first backward, from the device counts then (a process without
+# CUDA that registers it later cannot run a backward on it; simulated_device() registers it too,
+# for scripts). Not where CUDA is: a registered PrivateUse1 becomes torch's accelerator, and
+# autograd then keeps no stream of a CUDA node (Node::stream asks the accelerator's type), so the
+# CUDA tests (the GPU check runs only those) would not run as a user's code does; there the
+# queues exist for device 0 already, and a simulated_device() registers it when first entered.
+if not torch.cuda.is_available():
+    try:
+        simbackend.register()
+    except Exception as e:  # a torch without Python-registered PrivateUse1 backends
+        import warnings
 
-    warnings.warn(f"the simulated device's type could not be registered ({e!r}): its tests will fail", stacklevel=1)
+        warnings.warn(f"the simulated device's type could not be registered ({e!r}): its tests will fail", stacklevel=1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -1,4 +1,7 @@
 """Runs a function on 2 processes over gloo (CPU), each with a timeout, and gathers results.
+With ``env={SIMULATE: "1"}`` the function runs inside the simulated device (``simgpu``), over
+gloo for its tensors (``offload_adam.testing.simdist``): it moves its model and batches there as
+to "cuda" (``helpers.to_device``); what it returns comes back on the host.
 
 Used by the distributed tests; the workers live in this module so that spawned processes can
 import them. Two ranks over gloo (the common case) run in a pool of 2 processes kept for the
@@ -23,15 +26,26 @@ from typing import Any
 import torch
 
 TIMEOUT_S = 120.0
-# In `env`: the worker's optimizers stream their CPU parameters through a simulated device
-# (no delays, immediate waits), as offloaded CUDA parameters would.
+# In `env`: the worker runs inside a simulated device (no delays, immediate waits), its process
+# group over gloo for the device's tensors too.
 SIMULATE = "OFFLOAD_ADAM_TEST_SIMULATE"
 
 
 def _simulated() -> Any:
     from offload_adam import testing
 
-    return testing.simulated_device(host_memory=True, max_delay_s=0.0, lazy=False)
+    return testing.simulated_device(max_delay_s=0.0, lazy=False)
+
+
+def _prepare() -> None:
+    """A worker process: the simulated device's type and its collectives registered before any
+    backward runs (autograd sizes its per-device queues at a process's first backward); not
+    where CUDA is (as in conftest.py: NCCL runs keep CUDA as torch's accelerator), where a
+    simulated call registers them itself."""
+    if not torch.cuda.is_available():
+        from offload_adam.testing import simdist
+
+        simdist.register()
 
 
 def _run(
@@ -44,10 +58,17 @@ def _run(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
+        sim = bool(env.get(SIMULATE))
+        if sim:
+            from offload_adam.testing import simdist
+
+            simdist.register()
+            backend = simdist.NAME
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         try:
-            with _simulated() if env.get(SIMULATE) else contextlib.nullcontext():
+            with _simulated() if sim else contextlib.nullcontext():
                 out = fn(rank, world, *args)
+                out = torch.utils._pytree.tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)  # to the host
         finally:
             dist.destroy_process_group()
         buf = io.BytesIO()
@@ -67,12 +88,14 @@ def _entry(
     fn: Callable[..., Any], rank: int, world: int, init: str, q: Any, args: tuple[Any, ...], env: dict[str, str], backend: str
 ) -> None:
     torch.set_num_threads(1)
+    _prepare()
     _run(fn, rank, world, init, q, args, env, backend)
 
 
 def _serve(rank: int, inbox: Any, q: Any) -> None:
     """A pooled rank: runs the calls it is sent until it gets None."""
     torch.set_num_threads(1)
+    _prepare()
     while True:
         msg = inbox.get()
         if msg is None:

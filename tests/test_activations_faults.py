@@ -1,9 +1,8 @@
 """Activations offloaded, when the backward raises (a hook's out-of-memory, a corrupted page, a
-saved tensor gone with the files): these stay on the simulated device's former mode, whose
-device memory is the CPU's (``simulated_device(host_memory=True)``). On the simulated device of
-its own, torch aborts the process when a backward raises on a device type registered from
-Python: the autograd engine's stream guard calls the Python device guard's exchangeStream while
-the error unwinds, which ends in std::terminate (torch 2.15; docs/limits.md)."""
+saved tensor gone with the files), on the simulated device, models and inputs moved there as to
+"cuda". (torch aborted the process when a backward raised on a device type registered from
+Python: the simulated device's guard takes the pending error off the thread, see
+``offload_adam.testing.simbackend._Guard``.)"""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ import os
 
 import pytest
 import torch
+from helpers import to_device
 from test_activations import _Chain, _open_under, nvme_dir  # noqa: F401 (nvme_dir: the fixture)
 
 import offload_adam
@@ -23,9 +23,9 @@ def test_a_prefetched_buffer_dropped_before_its_unpack_is_not_reused_under_its_c
     allocator, which must not hand them out while their copies still write them. The simulator
     reuses freed device memory at the next allocation of the compute stream and flags a reuse
     that no ``keep_until_done`` held."""
-    with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.02) as sim:
-        m = _Chain()
-        x = torch.randn(64, 64, requires_grad=True)
+    with testing.simulated_device(seed=2, max_delay_s=0.02) as sim:
+        m = to_device(_Chain())
+        x = to_device(torch.randn(64, 64)).requires_grad_()
         with offload_adam.offload_activations(min_bytes=1024, prefetch=3) as ao:
             h = m(x)
             mid = m.layers[3].weight  # its gradient comes after the last layers' unpacks
@@ -48,9 +48,9 @@ def test_a_prefetched_buffer_dropped_before_its_unpack_is_not_reused_under_its_c
 def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
     """The activations' NVMe ranges go through the runtime's page store, CRC included (they had
     none): a range corrupted on the disk is a clear error naming the file when it is read back."""
-    with testing.simulated_device(host_memory=True, seed=2, max_delay_s=0.0):
-        m = _Chain()
-        x = torch.randn(64, 64, requires_grad=True)
+    with testing.simulated_device(seed=2, max_delay_s=0.0):
+        m = to_device(_Chain())
+        x = to_device(torch.randn(64, 64)).requires_grad_()
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
             loss = m(x).sum()
         ao.flush()  # every saved storage on the SSD, whether or not its copy out had run by the last save
@@ -68,9 +68,9 @@ def test_an_activation_page_carries_a_crc(nvme_dir: str) -> None:
 def test_a_saved_tensor_on_the_ssd_after_close_is_a_clear_error(nvme_dir: str) -> None:
     """close() closes the files (their space given back): a graph whose saved tensors were
     written there cannot run its backward afterwards, and says why."""
-    with testing.simulated_device(host_memory=True, seed=5, max_delay_s=0.0):
-        m = _Chain()
-        x = torch.randn(64, 64, requires_grad=True)
+    with testing.simulated_device(seed=5, max_delay_s=0.0):
+        m = to_device(_Chain())
+        x = to_device(torch.randn(64, 64)).requires_grad_()
         with offload_adam.offload_activations(min_bytes=1024, storage="nvme", nvme_dir=nvme_dir, prefetch=0) as ao:
             loss = m(x).sum()
         ao.flush()

@@ -65,6 +65,14 @@ def run(dtype: torch.dtype, set_to_none: bool = True, **kw: Any) -> None:
         assert torch.equal(p.detach().cpu(), st["master_param"].to(dtype))
 
 
+def test_cuda_is_torchs_accelerator_in_the_cuda_tests() -> None:
+    """The CUDA tests run as a user's code does: CUDA is torch's accelerator, so autograd keeps
+    each CUDA node's stream. (The test suite registered the simulated device's type at start-up,
+    which made that torch's accelerator for the whole process.)"""
+    accel = torch.accelerator.current_accelerator()
+    assert accel is not None and accel.type == "cuda", accel
+
+
 @pytest.mark.parametrize(
     "mode",
     [{}, {"async_step": True}, {"async_step": True, "set_to_none": False}, {"free_gradients": True}, {"free_gradients": True, "async_step": True}],

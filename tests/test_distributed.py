@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist import SIMULATE, spawn
+from helpers import to_device
 
 pytestmark = pytest.mark.skipif(
     not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo is not available"
@@ -20,13 +21,14 @@ STREAM = {SIMULATE: "1"}
 
 
 def _model() -> torch.nn.Module:
+    """On the simulated device inside one (as to "cuda"), else on the CPU."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    return to_device(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)))
 
 
 def _batches(world: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(100)
-    return [(torch.randn(2 * world, 8, generator=g), torch.randn(2 * world, 4, generator=g)) for _ in range(steps)]
+    return [to_device((torch.randn(2 * world, 8, generator=g), torch.randn(2 * world, 4, generator=g))) for _ in range(steps)]
 
 
 def _single_process_reference(world: int, steps: int = STEPS) -> list[torch.Tensor]:
@@ -171,6 +173,8 @@ def _ddp_streamed_weights_worker(rank: int, world: int, stream: bool, kw: dict[s
     torch.manual_seed(0)
     m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(4)])
     h = offload_adam.offload_weights(m, prefetch=1) if stream else None
+    if h is None:
+        m = to_device(m)  # resident: on the device, as on "cuda"
     ddp = DDP(m, init_sync=False, broadcast_buffers=False)
     opt = offload_adam.AdamW(ddp.parameters(), lr=1e-2, **kw)
     opt.register_ddp_hook(ddp)
@@ -332,11 +336,12 @@ def test_dtensors_never_reach_the_kernel_unchecked() -> None:
 
 
 def _fsdp_model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """On the simulated device inside one (as to "cuda"), else on the CPU."""
     torch.manual_seed(0)
     # Linear(16, 3): shards of 2 and 1 rows; Linear(3, 1): shards of 1 and 0 rows (an empty one).
-    return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)
-    ).to(dtype)
+    return to_device(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3), torch.nn.Tanh(), torch.nn.Linear(3, 1)).to(dtype)
+    )
 
 
 def _shard(m: torch.nn.Module) -> torch.nn.Module:
@@ -351,7 +356,7 @@ def _shard(m: torch.nn.Module) -> torch.nn.Module:
 
 def _fsdp_batches(steps: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(7)
-    return [torch.randn(4, 8, generator=g) for _ in range(steps)]
+    return [to_device(torch.randn(4, 8, generator=g)) for _ in range(steps)]
 
 
 def _fsdp_train(m: torch.nn.Module, opt: Any, batches: list[torch.Tensor], rank: int, world: int, clip: str, sched: Any = None) -> list[float]:
@@ -475,13 +480,17 @@ def test_fsdp2_shards_with_quantized_moments_step_as_the_whole_model(state_dtype
 @pytest.mark.parametrize("kw", [{}, {"async_step": True}, {"free_gradients": True}], ids=["sync", "async", "free-gradients"])
 def test_fsdp2_streamed_shards_match_torch_adamw(kw: dict[str, Any]) -> None:
     """FSDP2 with its shards on the device (no CPUOffloadPolicy): our optimizer streams each
-    rank's reduce-scattered gradient shard to the host and its updated shard back, here through
-    the simulated device (CPU shards treated as device memory)."""
+    rank's reduce-scattered gradient shard to the host and its updated shard back, here on the
+    simulated device (the mesh of simgpu, gloo on host copies for its collectives). The state
+    read after the steps is the steps' (torch's within rounding): it was a copy on the device
+    made when the entry was first read, which no step updated."""
     ref = spawn(_fsdp_worker, False, {}, "torch", torch.float32)
     out = spawn(_fsdp_worker, True, kw, "ours", torch.float32, env=STREAM)
-    (wa, na, kinds, _), (wb, nb, _, _) = out
+    (wa, na, kinds, full), (wb, nb, _, _) = out
     assert all(torch.equal(x, y) for x, y in zip(wa, wb)), "the ranks' weights differ"
     assert "exp_avg:DTensor" in kinds and "master_param:DTensor" in kinds
+    for k, v in ref[0][3].items():
+        torch.testing.assert_close(full[k], v, rtol=1e-4, atol=1e-6)
     for x, r in zip(wa, ref[0][0]):
         torch.testing.assert_close(x, r, rtol=0, atol=1e-5)
     for x, r in zip(na, ref[0][1]):
@@ -504,7 +513,7 @@ def _scaler_worker(rank: int, world: int, ours: bool) -> Any:
 
     m = _shard(_fsdp_model())
     opt = offload_adam.AdamW(m.parameters(), lr=1e-2) if ours else torch.optim.AdamW(m.parameters(), lr=1e-2, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler(next(m.parameters()).device.type, init_scale=1024.0)  # (the simulated device's when streamed)
     out = []
     for t, x in enumerate(_fsdp_batches(5)):
         scaler.scale(m(x[rank::world]).square().mean()).backward()

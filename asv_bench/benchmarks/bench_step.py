@@ -14,12 +14,12 @@ from offload_adam import _native, testing
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def _params(numel: int, dtype: torch.dtype, tensors: int = 8) -> list[torch.nn.Parameter]:
+def _params(numel: int, dtype: torch.dtype, tensors: int = 8, device: torch.device | None = None) -> list[torch.nn.Parameter]:
     n = numel // tensors
     ps = []
     for _ in range(tensors):
-        p = torch.nn.Parameter(torch.randn(n).to(dtype))
-        p.grad = (torch.randn(n) * 1e-2).to(dtype)
+        p = torch.nn.Parameter(torch.randn(n).to(dtype).to(device))
+        p.grad = (torch.randn(n) * 1e-2).to(dtype).to(device)
         ps.append(p)
     return ps
 
@@ -95,8 +95,8 @@ class OffloadedStep:
     timeout = 300
 
     def setup(self, numel: int, threads: int) -> None:
-        with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, copies_on_demand=True, keep_open=True):
-            self.ps = _params(numel, torch.float32)
+        with testing.simulated_device(max_delay_s=0.0, lazy=False, copies_on_demand=True, keep_open=True) as sim:
+            self.ps = _params(numel, torch.float32, device=sim.torch_device)  # on the device, as on "cuda"
             self.opt = offload_adam.AdamW(self.ps, lr=1e-4, num_threads=threads, bucket_mb=8)
         self.opt.step()
 

@@ -39,9 +39,21 @@ def same_sharding(t: Any, key: Tensor) -> bool:
 
 
 def check_local(loc: Any, name: str) -> None:
-    """A DTensor parameter's local shard must be a plain tensor: it is what the kernel updates."""
-    if not isinstance(loc, Tensor) or type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+    """A DTensor parameter's local shard must be a plain tensor: it is what the kernel updates
+    (or the plain memory of a device whose tensors are a Python subclass, its ``tensor_type``:
+    the test suite's simulated GPU)."""
+    if not isinstance(loc, Tensor) or (type(loc).__torch_dispatch__ is not Tensor.__torch_dispatch__ and not _device_memory(loc)):
         raise TypeError(f"{name}: the DTensor's local shard is a {type(loc).__name__}, not a plain tensor")
+
+
+def _device_memory(t: Tensor) -> bool:
+    from ..runtime.device import device_for, tensor_type
+
+    try:
+        dev = device_for(t.device)
+    except ValueError:
+        return False
+    return dev is not None and type(t) is tensor_type(dev)
 
 
 def local_shards(params: list[Tensor], names: list[str]) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -119,11 +131,17 @@ def row_blocks(k: Tensor) -> bool:
 
 def as_dtensor(name: str, t: Tensor, k: Tensor) -> Tensor:
     """State view ``t`` (named ``name`` in ``state[p]``) of DTensor parameter ``k``'s local shard,
-    as a DTensor of ``k``'s mesh and placements (as torch's AdamW keeps it)."""
+    as a DTensor of ``k``'s mesh and placements (as torch's AdamW keeps it), whose local tensor
+    is the view itself, in host memory on a GPU's mesh too (as FSDP2 keeps a CPUOffloadPolicy
+    shard): ``DTensor.from_local`` would copy it to the mesh's device, a copy made once that the
+    steps never update (the state read on a GPU was the one at the first step)."""
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
     assert isinstance(k, DTensor)
+    shape, stride = k.shape, k.stride()
     if name.endswith(("_absmax", "_scale")):  # one per 256 elements of each row (see row_blocks)
         per = math.prod(k.shape[1:]) // QBLOCK
-        return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=torch.Size((k.shape[0], per)), stride=(per, 1))
-    return DTensor.from_local(t, k.device_mesh, k.placements, run_check=False, shape=k.shape, stride=k.stride())
+        shape, stride = torch.Size((k.shape[0], per)), (per, 1)
+    spec = DTensorSpec(k.device_mesh, tuple(k.placements), tensor_meta=TensorMeta(shape, stride, t.dtype))
+    return DTensor(t, spec, requires_grad=False)  # type: ignore[call-arg]

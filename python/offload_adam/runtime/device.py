@@ -395,8 +395,8 @@ _installed: ContextVar[Device | None] = ContextVar("offload_adam_installed_devic
 def device_for(dev: torch.device) -> Device | None:
     """The process's :class:`Device` for ``dev``: the one :class:`CudaDevice` of a CUDA device;
     the device installed by :func:`use_device` for its own device type (the test suite's
-    simulated GPU; in its former mode, the CPU's type: CPU tensors then count as its memory);
-    else None for the CPU (CPU tensors are host memory). Other device types raise."""
+    simulated GPU); else None for the CPU (CPU tensors are host memory). Other device types
+    raise."""
     if dev.type == "cuda":
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         with _cuda_lock:
@@ -405,7 +405,7 @@ def device_for(dev: torch.device) -> Device | None:
                 d = _cuda[index] = CudaDevice(torch.device("cuda", index))
             return d
     installed = _installed.get()
-    if installed is not None and installed.torch_device.type == dev.type and (dev.index in (None, installed.torch_device.index) or dev.type == "cpu"):
+    if installed is not None and installed.torch_device.type == dev.type and dev.index in (None, installed.torch_device.index):
         return installed
     if dev.type == "cpu":
         return None

@@ -43,7 +43,6 @@ def simulated_device(
     check_ordering: bool | None = None,
     strict: bool | None = None,
     index: int = 0,
-    host_memory: bool = False,
 ) -> Iterator[SimulatedDevice]:
     """What is built inside streams its CPU tensors through a simulated device; with ``lazy``,
     waits of the current stream are honoured at this thread's next device operation; with
@@ -58,13 +57,10 @@ def simulated_device(
 
     The device's tensors are on a device of their own, ``simgpu:index`` (``dev.torch_device``):
     a test moves its inputs there as a user moves them to ``"cuda"``, and an operation that mixes
-    them with CPU tensors raises. ``host_memory``: the former mode, whose device memory is the
-    CPU's (``torch_device`` is the CPU), for the tests of the training paths until the simulated
-    device has autocast and collectives of its own (issue 32)."""
+    them with CPU tensors raises."""
     dev = SimulatedDevice(
         seed=seed, max_delay_s=max_delay_s, copies_on_demand=copies_on_demand,
         check_ordering=lazy if check_ordering is None else check_ordering, strict=lazy if strict is None else strict, index=index,
-        host_memory=host_memory,
     )  # fmt: skip
     token = _DEVICE.set(dev)
     try:

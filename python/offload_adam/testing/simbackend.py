@@ -30,7 +30,9 @@ device. What it keeps of a GPU:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -137,12 +139,17 @@ class SimTensor(Tensor):
             return args[0].mem.untyped_storage()
         if any(not issubclass(t, SimTensor) and t not in (Tensor, torch.nn.Parameter) for t in types):
             return NotImplemented  # another subclass's (a quantized weight over device tensors): its own first
+        if func is Tensor.tolist:  # (torch refuses it for a subclass; a CUDA tensor's copies to the host)
+            return args[0].cpu().tolist()
         if func in _AS_THE_CPU:
             return _as_the_cpu(func, args, kwargs)
         if func is Tensor.backward:
             # Not under DisableTorchFunctionSubclass: the backward's thread inherits this thread's
             # state, and the subclasses its nodes meet (a quantized weight) need their own.
             return _backward(*args, **kwargs)
+        if func is torch.autograd.grad:
+            with _raising(), torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if func is torch.autograd.backward:
             return _backward(
                 args[0] if args else kwargs["tensors"], kwargs.get("grad_tensors", args[1] if len(args) > 1 else None),
@@ -171,7 +178,8 @@ def _backward(
     tensors = (t,) if isinstance(t, Tensor) else tuple(t)
     grads = _make_grads(tensors, _tensor_or_tensors_to_tuple(gradient, len(tensors)), is_grads_batched=False)
     inputs_tuple = () if inputs is None else (inputs,) if isinstance(inputs, Tensor) else tuple(inputs)
-    _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True)
+    with _raising():
+        _engine_run_backward(tensors, grads, create_graph if retain_graph is None else retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True)
 
 
 # Operations whose kernel torch picks by device type: on the simulated device they run the CPU's
@@ -281,6 +289,8 @@ def _dispatch(func: Any, args: Any, kwargs: Any) -> Any:
     hooks = _hooks.get(index)
     if name == "aten::_has_compatible_shallow_copy_type":
         return all(isinstance(t, SimTensor) for t in args[:2])
+    if name == "aten::record_stream":  # (the memory is the host's, freed when the last reference goes)
+        return None
     _check_sides(func, args, kwargs, index)
     if hooks is not None:
         hooks.before_op(func, args, kwargs)
@@ -371,6 +381,38 @@ class _Module:
     def synchronize(self, device: Any = None) -> None:
         pass
 
+    # Streams and events, for the code that asks a device's module for them (distributed
+    # checkpointing's loader, FSDP2): torch's own, through the device guard, where each stream is
+    # the device's one compute stream. The simulated device's compute runs in program order on
+    # the host, so their waits order nothing that is not ordered already (its side streams, the
+    # hazards it checks, are its Device interface's).
+
+    def current_stream(self, device: Any = None) -> torch.Stream:
+        return torch.Stream(device=torch.device(NAME, _device_index(device)))
+
+    def Stream(self, device: Any = None, priority: int = 0, **kw: Any) -> torch.Stream:  # noqa: N802 (torch's name)
+        return torch.Stream(device=torch.device(NAME, _device_index(device)), priority=priority)
+
+    def Event(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> torch.Event:  # noqa: N802
+        return _Event(device=torch.device(NAME, 0), enable_timing=enable_timing)
+
+    def stream(self, s: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext(s)
+
+    def set_device(self, device: Any) -> None:
+        pass
+
+    def device(self, device: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+class _Event(torch.Event):
+    """An event of the device's compute stream: complete when recorded (torch's guard for a
+    Python backend cannot synchronize one)."""
+
+    def synchronize(self) -> None:
+        pass
+
 
 def _hook_base() -> Any:
     from torch.utils.backend_registration import _DummyPrivateUse1Hook
@@ -381,6 +423,59 @@ def _hook_base() -> Any:
 class _Hook(_hook_base()):  # type: ignore[misc]
     def is_available(self) -> bool:
         return bool(_hooks)
+
+
+# -- a backward that raises -----------------------------------------------------------------------
+#
+# A Python exception raised inside a backward (a tensor hook, a saved-tensor hook) leaves the
+# thread's Python error indicator set while torch's C++ unwinds (``throw python_error()``; the
+# engine fetches the error only later, in ``PythonEngine::thread_on_exception``). On the way out
+# the node's stream guard (``c10::OptionalStreamGuard`` in ``Engine::evaluate_function``, there
+# for every node on the accelerator's device type, which ``simgpu`` is) restores the stream:
+# ``PythonDeviceGuard::exchangeStream`` (``torch/csrc/acc/Module.cpp``, noexcept) calls
+# ``type()``, a pybind11 override that calls the guard's ``type_`` in Python; with the error still
+# set that call fails ("returned a result with an exception set"), the C++ exception leaves a
+# noexcept function, and std::terminate aborts the process (torch 2.15). So the device guard's
+# ``type_`` takes a pending error off the thread (a ctypes call into the C API surfaces it as a
+# Python exception, caught here), keeps it, and lets the unwinding finish; the engine then
+# reports an error whose Python exception is gone (a SystemError: "returned NULL without setting
+# an exception"), and :func:`_raising` raises the kept exception in its place, as on a GPU.
+
+_pending: list[BaseException] = []  # errors taken off a backward's thread, last first out
+_probe = ctypes.pythonapi.Py_IsInitialized  # any C-API call: ctypes raises an error it finds set
+
+
+def _guard_base() -> Any:
+    return torch._C._acc.DeviceGuard
+
+
+class _Guard(_guard_base()):  # type: ignore[misc]
+    """The device guard of ``simgpu``: torch's for a Python backend, that survives a backward
+    that raises (see above)."""
+
+    def type_(self) -> Any:
+        try:
+            _probe()
+        except BaseException as e:  # noqa: BLE001 (the backward's error, whatever it is: kept)
+            _pending.append(e)
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+@contextlib.contextmanager
+def _raising() -> Iterator[None]:
+    """Around the autograd engine: an error a backward raised on the device, as raised (the
+    engine's SystemError in its place otherwise; see above)."""
+    _pending.clear()
+    try:
+        yield
+    except SystemError:
+        if not _pending:
+            raise
+        e = _pending.pop()
+        _pending.clear()
+        raise e from None
+    finally:
+        _pending.clear()
 
 
 def _fresh(size: Any, dtype: torch.dtype | None, stride: Any = None) -> Tensor:
@@ -398,6 +493,32 @@ def _device_index(device: Any) -> int:
     return d.index if d.index is not None else 0
 
 
+def _cpu_kernels_over_composites() -> list[str]:
+    """The aten operations with a kernel of the CPU's beside a composite one
+    (``CompositeImplicitAutograd``): ``silu_backward``, ``mish_backward``,
+    ``native_channel_shuffle`` in torch 2.15. A device type without a kernel of its own takes the
+    composite, decomposed above autograd, before ``SimTensor`` sees the call (``silu_backward``:
+    sigmoid and products, other bits than the CPU's kernel); with one registered for
+    ``PrivateUse1`` the dispatcher leaves the composite out, as for the CPU and CUDA, and the
+    call reaches ``SimTensor``, which runs the CPU's kernel on the memory."""
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    return sorted(
+        n for n in torch._C._dispatch_get_all_op_names()
+        if n.startswith("aten::") and has(n, "CompositeImplicitAutograd") and has(n, "CPU")
+    )  # fmt: skip
+
+
+def _own_kernel(op: str) -> Callable[..., Any]:
+    name, _, overload = op.split("::", 1)[1].partition(".")
+    packet = getattr(torch.ops.aten, name)
+    func = getattr(packet, overload or "default")
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:  # (never reached: SimTensor's dispatch is above it)
+        return _dispatch(func, args, kwargs)
+
+    return kernel
+
+
 def register() -> None:
     """Registers ``simgpu`` in this process, once (torch allows one renamed PrivateUse1)."""
     global _registered, _lib
@@ -406,7 +527,7 @@ def register() -> None:
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
     if torch._C._get_privateuse1_backend_name() != NAME:
-        _setup_privateuseone_for_python_backend(NAME, backend_module=_Module(), hook=_Hook())
+        _setup_privateuseone_for_python_backend(NAME, backend_module=_Module(), hook=_Hook(), device_guard=_Guard())
     _lib = torch.library.Library("aten", "IMPL")
 
     def empty_memory_format(size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None, memory_format: Any = None) -> Tensor:
@@ -425,5 +546,7 @@ def register() -> None:
     ]
     for op, fn in impls:
         _lib.impl(op, fn, "PrivateUse1")
+    for op in _cpu_kernels_over_composites():
+        _lib.impl(op.split("::", 1)[1], _own_kernel(op), "PrivateUse1")
     simautocast.register(NAME)
     _registered = True

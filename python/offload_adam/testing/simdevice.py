@@ -67,7 +67,6 @@ from ..runtime.device import Meter, on_device, on_stream
 from . import simbackend
 from .hb import OrderChecker, _Access, _History, _join, _Lane, bump_version
 from .simbackend import SimTensor, mem
-from .simlegacy import DeviceMemory, HonourWaits, Stamp
 from .simstreams import SimCuda, SimEvent, UserStream, _local, _Stream
 
 
@@ -214,7 +213,7 @@ class SimAllocator:
             t.fill_(float("nan") if dtype.is_floating_point else 0xA5 if dtype == torch.uint8 else -1)
         self.blocks[blk.memory.data_ptr()] = blk
         weakref.finalize(t.untyped_storage(), self.freed, blk)
-        return t if dev.host_memory else simbackend.wrap(t, dev.index)
+        return simbackend.wrap(t, dev.index)
 
     def freed(self, blk: _Block) -> None:
         """A client's memory of `empty` is garbage: back to its stream's pool, at once, or once
@@ -316,12 +315,8 @@ class SimulatedDevice:
         check_ordering: bool = False,
         strict: bool = False,
         index: int = 0,
-        host_memory: bool = False,
     ) -> None:
-        # host_memory: the former mode, device memory that is the CPU's (simlegacy).
-        self.host_memory = host_memory
-        self.torch_device = torch.device("cpu") if host_memory else simbackend.device(index)
-        self.device_memory = DeviceMemory()
+        self.torch_device = simbackend.device(index)
         self.index = index
         self.max_delay_s = max_delay_s
         # Benchmarks: a stream runs its work only once something waits for it, so that the
@@ -351,8 +346,7 @@ class SimulatedDevice:
         self.release_waits = True
         self.graph_capture = False  # a CUDA graph capture on the current stream (capturing())
         self.hooks = _Hooks(self)
-        if not host_memory:
-            simbackend.attach(index, self.hooks)
+        simbackend.attach(index, self.hooks)
 
     # -- the compute streams ------------------------------------------------------------------
 
@@ -392,11 +386,7 @@ class SimulatedDevice:
         memory."""
         _local.lazy.append(self)
         try:
-            if self.host_memory:
-                with HonourWaits(self), Stamp(self) if self.check_ordering else contextlib.nullcontext():
-                    yield
-            else:
-                yield
+            yield
         finally:
             self._honour()
             _local.lazy.remove(self)
@@ -429,8 +419,6 @@ class SimulatedDevice:
         """Device memory (``simgpu``), NaN-filled (never initialized; bytes 0xA5), reused from
         freed blocks of the same size and stream (see the module documentation)."""
         t = self.alloc.empty(n, dtype, self._alloc_lane())
-        if self.host_memory:
-            self.device_memory.note(t)
         if meter is None:
             return t
         self.allocated.track(t)
@@ -566,8 +554,6 @@ class SimulatedDevice:
 def _ref(dev: SimulatedDevice, t: Tensor, write: bool) -> _Ref:
     alloc = dev.host.alloc_of(t)
     m = mem(t)
-    if alloc is None and dev.host_memory:
-        dev.device_memory.note(m)
     blk = None if alloc is not None else dev.alloc.live_block(t)
     if alloc is None and blk is None and not write:
         # Held weakly: the storage's Python object lives exactly as long as the storage.
@@ -589,9 +575,8 @@ def _ref(dev: SimulatedDevice, t: Tensor, write: bool) -> _Ref:
 
 def _queue_copies(dev: SimulatedDevice, pairs: Sequence[tuple[Tensor, Tensor]], stream: Any, blocking: bool) -> None:
     """Queues the copies ``pairs`` on ``stream`` (see the module documentation)."""
-    if not dev.host_memory:
-        for d, s in pairs:
-            _sides(stream, d, s)
+    for d, s in pairs:
+        _sides(stream, d, s)
     items = [(_ref(dev, d, True), _ref(dev, s, False)) for d, s in pairs]
     with dev.order.lock:
         dev.copied_bytes[stream.name] = dev.copied_bytes.get(stream.name, 0) + sum(

@@ -71,9 +71,10 @@ def gpu(*, layers: int, d: int, batch: int, seq: int, rounds: int, min_bytes: in
 
 
 def simulated(*, rounds: int, min_bytes: int) -> dict[str, Any]:
-    with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False):
-        model = llama(4, 256, 2048, "cpu", torch.float32)  # fp32: the CPU's bf16 matmuls are slow
-        x = torch.randint(1, 2048, (4, 257))
+    with testing.simulated_device(max_delay_s=0.0, lazy=False) as sim:
+        # fp32: the CPU's bf16 matmuls are slow; the model and the batch on the device as to "cuda"
+        model = llama(4, 256, 2048, "cpu", torch.float32).to(sim.torch_device)
+        x = torch.randint(1, 2048, (4, 257)).to(sim.torch_device)
         ao = offload_activations(min_bytes=min_bytes)
         _step(model, x, lambda: ao)
         ao.reset_stats()

@@ -55,6 +55,13 @@ def _params(shapes: Shapes, dtype: torch.dtype, seed: int = 0) -> list[torch.nn.
     return ps
 
 
+def _moved(p: torch.nn.Parameter, device: torch.device) -> torch.nn.Parameter:
+    """A parameter and its gradient on ``device``."""
+    q = torch.nn.Parameter(p.detach().to(device))
+    q.grad = None if p.grad is None else p.grad.to(device)
+    return q
+
+
 def _torch_opt(shapes: Shapes, dtype: torch.dtype = torch.float32, **kw: object) -> Callable[[], None]:
     opt = torch.optim.AdamW(_params(shapes, dtype), lr=1e-4, **kw)  # type: ignore[arg-type]
     return opt.step  # type: ignore[return-value]
@@ -95,12 +102,12 @@ def _peer(name: str, make: Callable[[], Callable[[], None]]) -> Contender | None
 
 
 def _ours_offloaded(shapes: Shapes, threads: int) -> Contender:
-    """The offloaded path on CPU parameters, through a simulated device with no delays whose
+    """The offloaded path on the parameters of a simulated device with no delays whose
     copies run only when waited for (a GPU's copy engine takes none of the cores the kernel
     uses). Before each timed step a backward (untimed) streams the gradients to the host landing
     buffers, and ``clip_grad_norm_(inf)`` waits for their arrival, as after a GPU's backward."""
-    with testing.simulated_device(max_delay_s=0.0, host_memory=True, lazy=False, copies_on_demand=True, keep_open=True):
-        ps = _params(shapes, torch.float32)
+    with testing.simulated_device(max_delay_s=0.0, lazy=False, copies_on_demand=True, keep_open=True) as sim:
+        ps = [_moved(p, sim.torch_device) for p in _params(shapes, torch.float32)]  # as to "cuda"
         opt = AdamW(ps, lr=1e-4, num_threads=threads)
     grads: list[torch.Tensor] = [p.grad for p in ps if p.grad is not None]
     for p in ps:

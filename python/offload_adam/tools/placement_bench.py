@@ -179,6 +179,7 @@ def _nvme_case(
     per_token = token_bytes(h.plan)
     out["read_per_forward"] = r["read_bytes"] / max(r["passes"], 1)  # (the prompt's rows and the last read-ahead too)
     out["cpu_s"] = r["cpu_s"]
+    out["matmuls"] = f"native {r['native_calls']}, torch {r['torch_calls']} (bf16 to the native kernel: {r['native_bf16']})"
     out["bound_tokens_s"] = disk * 1e9 / per_token
     out["of_bound"] = out["tokens_s"] / out["bound_tokens_s"]
     out["bytes_per_token"] = per_token
@@ -290,7 +291,7 @@ def run(
         f"(b) where the time goes, over its {b['wall_s']:.1f} s (prompt and decode): host waiting for the disk {b['io_wait_s']:.1f} s, "
         f"in blocks {b['cpu_s']:.1f} s; CPU seconds by thread: "
         + ", ".join(f"{k} {v:.1f}" for k, v in sorted(b["threads_cpu_s"].items(), key=lambda kv: -kv[1]))
-        + f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+        + f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; F.linear calls in blocks: {b['matmuls']}"
     )
     if e is not None:
         print(

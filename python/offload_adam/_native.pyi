@@ -27,6 +27,7 @@ __all__ = [
     "dequantize",
     "qmap",
     "linear",
+    "experts",
 ]
 
 CHUNK: int
@@ -113,6 +114,20 @@ def linear(
     bias: Tensor | None = None,
     *,
     out: Tensor,
+    num_threads: int = 1,
+    simd: str | None = None,
+) -> None: ...
+def experts(
+    x: Tensor,
+    gate_up: Sequence[Tensor],
+    down: Sequence[Tensor],
+    index: Tensor,
+    weights: Tensor,
+    *,
+    gate_up_scale: Sequence[Tensor] | None = None,
+    down_scale: Sequence[Tensor] | None = None,
+    out: Tensor,
+    act: str = "silu",
     num_threads: int = 1,
     simd: str | None = None,
 ) -> None: ...

@@ -60,10 +60,30 @@ use crate::elem::{bf16_to_f32, f16_to_f32, f32_to_bf16, Bf16, F16};
 use crate::error::{Error, Result};
 use crate::isa::Simd;
 
+/// `$run::<P>(args)` with `P` the path of `$simd`: the one place a [`Simd`] becomes a path of
+/// this module (`linear` and `experts` both go through it).
+macro_rules! dispatch {
+    ($simd:expr, $run:ident($($arg:expr),* $(,)?)) => {
+        match $simd {
+            Simd::Scalar => $run::<reference::Scalar>($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx2 => $run::<tile::Avx2Path>($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512 | Simd::Avx512Vbmi => $run::<tile::Avx512Path>($($arg),*),
+            #[cfg(target_arch = "x86_64")]
+            Simd::Avx512Bf16 | Simd::Avx512Bf16Vbmi => $run::<tile::Avx512Bf16Path>($($arg),*),
+            _ => $run::<tile::PortablePath>($($arg),*),
+        }
+    };
+}
+
+pub mod experts;
 pub mod reference;
 mod tile;
 mod vector;
 
+#[cfg(test)]
+mod experts_tests;
 #[cfg(test)]
 mod tests;
 
@@ -392,15 +412,6 @@ pub fn linear(
     if shape.rows == 0 || shape.n == 0 {
         return Ok(());
     }
-    match simd {
-        Simd::Scalar => run::<reference::Scalar>(pool, &job, out),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => run::<tile::Avx2Path>(pool, &job, out),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 | Simd::Avx512Vbmi => run::<tile::Avx512Path>(pool, &job, out),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Bf16 | Simd::Avx512Bf16Vbmi => run::<tile::Avx512Bf16Path>(pool, &job, out),
-        _ => run::<tile::PortablePath>(pool, &job, out),
-    }
+    dispatch!(simd, run(pool, &job, out));
     Ok(())
 }

@@ -493,6 +493,7 @@ pub struct Torch {
     pub float16: Py<PyAny>,
     pub complex64: Py<PyAny>,
     pub int8: Py<PyAny>,
+    pub int64: Py<PyAny>,
     pub float8_e4m3fn: Py<PyAny>,
     pub strided: Py<PyAny>,
     pub view_as_real: Py<PyAny>,
@@ -509,6 +510,7 @@ pub fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
             float16: t.getattr("float16")?.unbind(),
             complex64: t.getattr("complex64")?.unbind(),
             int8: t.getattr("int8")?.unbind(),
+            int64: t.getattr("int64")?.unbind(),
             float8_e4m3fn: t.getattr("float8_e4m3fn")?.unbind(),
             strided: t.getattr("strided")?.unbind(),
             view_as_real: t.getattr("view_as_real")?.unbind(),
@@ -686,6 +688,7 @@ pub enum Elems<'a> {
     I8(&'a [i8]),
     /// float8_e4m3fn bit patterns.
     F8E4M3(&'a [u8]),
+    I64(&'a [i64]),
 }
 
 /// A contiguous CPU tensor checked through its own methods (dtype, layout, device, contiguity,
@@ -707,6 +710,7 @@ enum ViewDType {
     F16,
     I8,
     F8E4M3,
+    I64,
 }
 
 impl ViewDType {
@@ -715,6 +719,7 @@ impl ViewDType {
             ViewDType::F32 => 4,
             ViewDType::Bf16 | ViewDType::F16 => 2,
             ViewDType::I8 | ViewDType::F8E4M3 => 1,
+            ViewDType::I64 => 8,
         }
     }
 }
@@ -742,6 +747,8 @@ impl<'a, 'py> HostView<'a, 'py> {
             ViewDType::I8
         } else if dt.is(&tc.float8_e4m3fn) {
             ViewDType::F8E4M3
+        } else if dt.is(&tc.int64) {
+            ViewDType::I64
         } else {
             return Err(type_error(format!("{name}: unsupported dtype {dt}")));
         };
@@ -782,6 +789,18 @@ impl<'a, 'py> HostView<'a, 'py> {
         (self.ptr, self.ptr + self.numel * self.dtype.size())
     }
 
+    /// The dtype's name, as torch spells it.
+    pub fn dtype_name(&self) -> &'static str {
+        match self.dtype {
+            ViewDType::F32 => "float32",
+            ViewDType::Bf16 => "bfloat16",
+            ViewDType::F16 => "float16",
+            ViewDType::I8 => "int8",
+            ViewDType::F8E4M3 => "float8_e4m3fn",
+            ViewDType::I64 => "int64",
+        }
+    }
+
     /// The elements, read-only.
     pub fn elems(&self) -> Elems<'a> {
         let n = self.numel;
@@ -792,6 +811,7 @@ impl<'a, 'py> HostView<'a, 'py> {
                 ViewDType::F16 => Elems::F16(&[]),
                 ViewDType::I8 => Elems::I8(&[]),
                 ViewDType::F8E4M3 => Elems::F8E4M3(&[]),
+                ViewDType::I64 => Elems::I64(&[]),
             };
         }
         let p = self.ptr;
@@ -806,6 +826,7 @@ impl<'a, 'py> HostView<'a, 'py> {
                 ViewDType::F16 => Elems::F16(std::slice::from_raw_parts(p as *const F16, n)),
                 ViewDType::I8 => Elems::I8(std::slice::from_raw_parts(p as *const i8, n)),
                 ViewDType::F8E4M3 => Elems::F8E4M3(std::slice::from_raw_parts(p as *const u8, n)),
+                ViewDType::I64 => Elems::I64(std::slice::from_raw_parts(p as *const i64, n)),
             }
         }
     }

@@ -4,10 +4,12 @@
 //! `convert` maps core errors, SIMD names, thread counts and hyper-parameters; `state_set` is
 //! the host state of a param group and `step` the step over any number of them (as `kernel/`
 //! has its segments and its step); `functions` the module-level functions; `io` the NVMe tier's
-//! I/O engine; `linear` the matmul of a few rows against stored weights.
+//! I/O engine; `linear` the matmul of a few rows against stored weights; `experts` the routed experts of a
+//! mixture-of-experts layer in one call.
 
 mod convert;
 mod dlpack;
+mod experts;
 mod functions;
 mod io;
 mod linear;
@@ -30,6 +32,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(functions::qmap, m)?)?;
     m.add_function(wrap_pyfunction!(functions::simd_paths, m)?)?;
     m.add_function(wrap_pyfunction!(linear::linear, m)?)?;
+    m.add_function(wrap_pyfunction!(experts::experts, m)?)?;
     m.add_class::<io::IoEngine>()?;
     m.add_class::<io::IoTicket>()?;
     m.add_function(wrap_pyfunction!(io::crc32c, m)?)?;

@@ -244,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
         help="--linear: also decode the 4-layer 8B-class model, against llama.cpp where it installs",
     )  # fmt: skip
     ap.add_argument(
+        "--experts", action="store_true",
+        help="instead: a Qwen3-MoE-like layer's routed experts at decode in one native call against the per-expert loop and transformers' (see experts_bench)",
+    )  # fmt: skip
+    ap.add_argument(
         "--placement", metavar="DIR",
         help="instead: a model 4x its RAM budget run on the CPU from the SSD under DIR, against it resident and accelerate's disk offload (see placement_bench)",
     )  # fmt: skip
@@ -286,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
 
         lres = linear_bench.run(rounds=args.rounds, threads=args.threads, model=args.linear_model)
         _write_json(args.json, lres)
+        return 0
+    if args.experts:
+        from . import experts_bench
+
+        eres = experts_bench.run(rounds=args.rounds)
+        _write_json(args.json, eres)
         return 0
     if args.train_weights:
         from . import train_weights_bench

@@ -34,6 +34,7 @@ from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
 from .plan import WeightPlan, describe, experts_plan, make_plan, staging_slots, warn_capped
 from .quantize import Quantizer, quantize_blocks, quantizer
+from .rows import RowLookups
 from .storage import HostWeights, NvmeWeights, Sources
 from .streamer import Streamer
 from .undo import Undo, from_copy
@@ -151,6 +152,26 @@ def _to_meta(e: Entry) -> None:
     swap(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
 
 
+def _nvme_source(p: WeightPlan, device: Device, arena: PinnedArena, nvme_dir: Any, disk: list[Block]) -> NvmeWeights:
+    """The blocks ``disk`` on NVMe, read into the RAM ring the plan sized (``host_ring_plan``)."""
+    hr = p.host_ring
+    if p.on_device or not disk:
+        return NvmeWeights(device, arena, nvme_dir, disk, staging_slots(p.ahead, len(disk), p.on_device))
+    own = dict(hr.own) | {i: p.blocks[i].nbytes for i in hr.rows}  # (an embedding's: only to fill it, or read it whole)
+    return NvmeWeights(device, arena, nvme_dir, disk, hr.slots, page=hr.page, own=own, transient=hr.rows)
+
+
+def _row_lookups(p: WeightPlan, blocks: list[Block], sources: Sources, streamer: Streamer, undo: Undo) -> RowLookups | None:
+    """The embeddings on NVMe looked up by their rows (``rows.py``), with the CPU as the device."""
+    rows = sorted(p.host_ring.rows) if not p.on_device else []
+    if not rows or sources.nvme is None:
+        return None
+    lookups = RowLookups(sources.nvme, [blocks[i] for i in rows])
+    undo.add(lookups.close)
+    streamer.rows = lookups
+    return lookups
+
+
 class WeightOffload:
     """The handle :func:`offload_weights` returns: ``plan`` (what it built: see
     :func:`plan_weights`), ``report()``, ``reset_stats()``, ``close()``."""
@@ -195,6 +216,7 @@ class WeightOffload:
             self.streamer = Streamer(device, self.blocks, self.plan, self.sources, self.meter, guess, self.placeholders, self.homes, self.placer)
             undo.add(self.streamer.close)
             self.host_calls = self._host_calls(undo)
+            self.rows = _row_lookups(self.plan, self.blocks, self.sources, self.streamer, undo)
             if self.experts is not None:
                 self.experts.attach(model)  # (the last change: the model's experts run ours from here)
                 undo.add(self.experts.detach)
@@ -225,8 +247,7 @@ class WeightOffload:
         disk = [self.blocks[i] for i in p.on_nvme]
         host = HostWeights(self.arena, ram) if ram or p.storage == "cpu" else None
         try:
-            slots = staging_slots(p.ahead, len(disk), p.on_device)
-            nvme = NvmeWeights(self.device, self.arena, nvme_dir, disk, slots) if p.storage == "nvme" else None
+            nvme = _nvme_source(p, self.device, self.arena, nvme_dir, disk) if p.storage == "nvme" else None
         except BaseException:
             if host is not None:
                 host.close()
@@ -495,6 +516,8 @@ class WeightOffload:
                 self.host_calls.close()
             if self.experts is not None:
                 self.experts.detach()
+            if self.rows is not None:
+                self.rows.close()
             # Every stream, the user's included, before the ring is freed: a forward under
             # torch.cuda.stream(s) may still read it, and memory freed first could go to another
             # thread's allocation meanwhile (a cold path: one synchronize).

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -343,7 +343,7 @@ class ExpertStore:
         self.hits = 0
         self.misses = 0
 
-    def units(self, lay: ExpertsLayout, experts: list[int]) -> Iterator[tuple[int, Tensor]]:
+    def units(self, lay: ExpertsLayout, experts: list[int]) -> Generator[tuple[int, Tensor], None, None]:
         """Each of ``experts`` (of ``lay``) with its unit's bytes, in their order, each valid
         until the next is asked for: from RAM, the cache, or read (the misses a few ahead)."""
         if self.buf is not None:

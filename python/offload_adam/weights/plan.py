@@ -32,9 +32,10 @@ import torch
 
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import align_up
-from .blocks import Block
+from .blocks import TENSOR_ALIGN, Block
 
 GiB = 1 << 30
+EXPERT_READ_AHEAD = 4  # (expertstore.READ_AHEAD: the RAM cache's slots beside its capacity)
 HOMES = ("device", "ram", "nvme")
 DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 
@@ -217,6 +218,65 @@ def choose_resident(
     return res
 
 
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """The routed experts' store (``expertstore.py``; not editable): ``units`` experts of
+    ``modules`` fused experts modules, ``nbytes`` of weights, stored in ``home`` (``"ram"``: every
+    unit in one host allocation of ``ram_bytes``; ``"nvme"``: each unit its own 4 KiB range,
+    ``nvme_bytes`` in all, read into a RAM cache of ``cache_units`` units, ``ram_bytes`` with its
+    read-ahead slots), and a device cache of ``gpu_units`` units (``gpu_bytes``). The names are
+    ``report()``'s (``expert_units``, ``expert_bytes``...)."""
+
+    modules: int
+    units: int
+    nbytes: int  # the units' bytes (each expert's slices, packed)
+    unit_bytes: int  # the largest unit, as stored (aligned to the SSD's 4 KiB with nvme)
+    home: str  # "ram" or "nvme"
+    ram_bytes: int
+    cache_units: int
+    nvme_bytes: int
+    gpu_units: int = 0
+    gpu_bytes: int = 0
+
+    def line(self) -> str:
+        mib = 2**20
+        where = (
+            f"on the SSD {self.nvme_bytes / mib:.2f} MiB, RAM cache {self.cache_units} units ({self.ram_bytes / mib:.2f} MiB with its read-ahead)"
+            if self.home == "nvme" else f"in RAM {self.ram_bytes / mib:.2f} MiB"
+        )  # fmt: skip
+        gpu = f", device cache {self.gpu_units} units ({self.gpu_bytes / mib:.2f} MiB)" if self.gpu_units else ""
+        return f"routed experts: {self.modules} modules, {self.units} experts of {self.nbytes / mib:.2f} MiB {where}{gpu}"
+
+
+def experts_plan(p: WeightPlan, layouts: Sequence[tuple[int, int]]) -> ExpertsPlan | None:
+    """The expert store of ``layouts`` (each module's experts and packed unit bytes) under the
+    plan ``p`` (its blocks' homes set): with NVMe, a RAM cache of what ``host_budget`` leaves after
+    the plan's RAM tier and the read-ahead slots, in units of the largest; on a device with
+    ``gpu_budget``, a device cache of what its device tier leaves (``offload.py`` builds these)."""
+    if not layouts:
+        return None
+    units = sum(e for e, _ in layouts)
+    nbytes = sum(e * u for e, u in layouts)
+    nvme = p.storage == "nvme"
+    if nvme:
+        unit = max(align_up(u, ALIGN) for _, u in layouts)
+        cache = 0
+        if p.host_budget is not None:
+            left = p.host_budget - p.tier_bytes()["ram"] - EXPERT_READ_AHEAD * unit
+            cache = min(max(0, left // unit), units)
+        ram = (cache + EXPERT_READ_AHEAD) * unit
+        stored = sum(e * align_up(u, ALIGN) for e, u in layouts)
+    else:
+        unit = max(align_up(u, TENSOR_ALIGN) for _, u in layouts)
+        cache, stored = 0, 0
+        ram = sum(e * align_up(u, TENSOR_ALIGN) for e, u in layouts)
+    gpu_units = 0
+    gpu_unit = max(align_up(u, TENSOR_ALIGN) for _, u in layouts)
+    if p.on_device and p.gpu_budget is not None:
+        gpu_units = min(max(0, (p.gpu_budget - p.tier_bytes()["device"]) // gpu_unit), units)
+    return ExpertsPlan(len(layouts), units, nbytes, unit, "nvme" if nvme else "ram", ram, cache, stored, gpu_units, gpu_units * gpu_unit)
+
+
 @dataclass
 class WeightPlan:
     """Where every block of a weights offload lives and runs (see the module documentation), as
@@ -235,6 +295,7 @@ class WeightPlan:
         buffer_bytes: the buffers' and the ``resident=`` parameters' bytes (default: 0).
         on_device: False when the CPU runs the model, without a device (default: True).
         args: the ``offload_weights`` arguments the plan was made with (default: empty).
+        experts: the routed experts' store, an :class:`ExpertsPlan` (default: None, none).
     """
 
     blocks: list[BlockPlan]
@@ -247,6 +308,7 @@ class WeightPlan:
     buffer_bytes: int = 0  # buffers and parameters kept on the device (resident=)
     on_device: bool = True  # False: the CPU runs the model (no device)
     args: dict[str, Any] = field(default_factory=dict, repr=False)  # the offload_weights arguments it was made with
+    experts: ExpertsPlan | None = None  # the routed experts' store (experts_plan)
 
     @property
     def resident(self) -> set[int]:
@@ -383,6 +445,8 @@ class WeightPlan:
             cap = budgets.get(t)
             parts.append(f"{t} {tiers[t] / mib:.2f} MiB" + (f" of {cap / mib:.2f}" if cap is not None else ""))
         out.append("bytes per tier: " + ", ".join(parts) + (f" (buffers {self.buffer_bytes / mib:.2f} MiB)" if self.buffer_bytes else ""))
+        if self.experts is not None:
+            out.append(self.experts.line() + " (beside the tiers above)")
         return out
 
 

@@ -179,3 +179,33 @@ def test_a_miss_is_copied_or_computed_on_the_host_as_the_cost_model_prices_it() 
     assert all((c == "cpu") == (rows == 1) for _, rows, c in choices), choices
     assert sum(p["cpu_computed"] for p in ph.values()) == sum(c == "cpu" for _, _, c in choices)
     assert sum(p["copied"] for p in ph.values()) == sum(c == "stream" for _, _, c in choices)
+
+
+# -- a prompt streams its experts whole --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,storage,slots", [("qwen3moe", "cpu", 3), ("deepseek_v3", "nvme", 3), ("mixtral", "cpu", 10_000)])
+def test_a_prompt_streams_its_experts_through_two_buffers_bitwise(
+    arch: str, storage: str, slots: int, nvme_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call of more than STREAM_ROWS rows on the device (the prompt, here of 8 rows with the
+    threshold at 1) runs its experts from the device cache or streamed whole through two device
+    buffers, the next copied while the current computes: logits and 24 greedy tokens bitwise the
+    resident eager model's, no ordering violation (each copy after the compute that read its
+    buffer, each compute after its copy, over a delayed simulated device)."""
+    from offload_adam.weights import experts as experts_mod
+
+    monkeypatch.setattr(experts_mod, "STREAM_ROWS", 1)
+    m = model(arch)
+    want = reference(arch)
+    kw: dict[str, Any] = {"nvme_dir": nvme_dir} if storage == "nvme" else {}
+    with testing.simulated_device(seed=5, max_delay_s=0.002) as sim:
+        h = offload_adam.offload_weights(m, storage=storage, gpu_budget_gb=budget_for(m, slots), native_matmul=False, **kw)
+        assert same(run(m, prompt()), want)
+        ph = h.report()["experts"]
+        summary = h.summary()
+        h.close()
+    assert sim.violations == []
+    assert f"streamed {ph['prompt']['streamed']}" in summary
+    assert ph["prompt"]["streamed"] > 0 and ph["decode"]["streamed"] == 0
+    assert ph["prompt"]["streamed"] + ph["prompt"]["gpu_hits"] == ph["prompt"]["experts"] and ph["prompt"]["copied"] == 0

@@ -366,7 +366,8 @@ def fault_and_recover(h: Any, model: torch.nn.Module, x: torch.Tensor, want: tor
     off = src.offset[victim.index]
     if fault == "eio":
         src.io.inject_fault("read", errno.EIO, 2)
-        match = r"reading the page of block \d+ \(model\.layers\.\d\) from .*weights\.bin: .*Input/output error"
+        # (a layer's page, or with the CPU as the device the embedding's rows: rows.py)
+        match = r"reading (the page|rows) of block \d+ \(model\.(layers\.\d|embed_tokens)\) from .*weights\.bin: .*Input/output error"
     else:
         with open(path, "r+b") as f:
             f.seek(off + 100)

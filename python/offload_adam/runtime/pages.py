@@ -470,24 +470,60 @@ class _Staged:
     ready: bool = False  # read and checked
     event: Any = None  # the device copy (or None: the host's own use) that consumed it
     held: bool = False  # handed out by get() and not yet given back by done(): never reused
+    own: int | None = None  # the key this page is reserved for (a page of its own), if any
 
 
 class StagingRing:
     """``slots`` buffers of ``slot_bytes`` that ranges are read ahead into (see the module
     documentation). ``device``: whose events say when a slot's consumer is done (None: the host
     consumes a slot itself, and gives it back with ``done(key, None)``). Keys are the caller's
-    (a block's index)."""
+    (a block's index).
 
-    def __init__(self, device: Device | None, arena: PinnedArena | None, slots: int, slot_bytes: int) -> None:
+    ``own``: keys with a page of their own, of the bytes given (a range larger than the general
+    slots: a head), made at its first use and never used for another key; the bytes read into
+    it stay valid after their consumer is done, so the next ``get`` of its key reads nothing.
+    ``transient``: keys of ``own`` whose page is freed when dropped (a range read whole only to
+    fill or hand it back: an embedding looked up by its rows)."""
+
+    def __init__(
+        self, device: Device | None, arena: PinnedArena | None, slots: int, slot_bytes: int,
+        own: dict[int, int] | None = None, transient: frozenset[int] | set[int] = frozenset(),
+    ) -> None:  # fmt: skip
         self.device = device
         self.arena = arena
         self.size = align_up(max(slot_bytes, 1), ALIGN)
+        self.own = {k: align_up(max(n, 1), ALIGN) for k, n in (own or {}).items()}
+        self.transient = frozenset(transient)
         self.slots = [_Staged(self._buffer()) for _ in range(slots)]
+        self.misses = 0  # ranges read when asked for, not ahead (get() without a start())
 
-    def _buffer(self) -> Tensor:
+    def _buffer(self, size: int | None = None) -> Tensor:
+        n = self.size if size is None else size
         if self.arena is not None:
-            return self.arena.alloc(self.size, torch.uint8, align=ALIGN)
-        return aligned_empty(self.size, torch.uint8)
+            return self.arena.alloc(n, torch.uint8, align=ALIGN)
+        return aligned_empty(n, torch.uint8)
+
+    def _own_page(self, key: int) -> _Staged:
+        """``key``'s page of its own, made now if it has none; if the host still runs from it
+        (a block calling itself), a second one, with a warning."""
+        s = next((s for s in self.slots if s.own == key and not s.held), None)
+        if s is None:
+            if any(s.own == key for s in self.slots):
+                log.warning("offload_adam: the page of its own of range %d is in use; the RAM ring grows by %d bytes", key, self.own[key])
+            s = _Staged(self._buffer(self.own[key]), own=key)
+            self.slots.append(s)
+        return s
+
+    def _intact(self, key: int) -> _Staged | None:
+        """``key``'s page of its own if it still holds ``key``'s bytes, read and checked (its
+        consumer done): handed out again as read ahead, without reading."""
+        for s in self.slots:
+            if s.own == key and s.key == key and s.ready and not s.held and s.transfer is None:
+                if s.event is not None:
+                    self._wait_consumed(s)
+                s.event = None
+                return s
+        return None
 
     @property
     def nbytes(self) -> int:
@@ -502,17 +538,29 @@ class StagingRing:
         if s.event is not None and s.event is not _DONE and self.device is not None:
             self.device.host_wait(s.event)
 
-    def take(self) -> _Staged:
-        """A slot to read (or stage) into: a free one, else the one whose consumer was queued
-        first (waited for), else the one read ahead for the range needed last; never one the host
-        still holds (a block running on the CPU from it): when the host holds every slot (blocks
-        that call blocks), the ring grows by one, with a warning."""
-        for s in self.slots:
+    def take(self, key: int | None = None) -> _Staged:
+        """A slot to read (or stage) ``key`` into: its page of its own if it has one; else a free
+        general slot, else the one whose consumer was queued first (waited for), else the one
+        read ahead for the range needed last; never one the host still holds (a block running on
+        the CPU from it): when the host holds every slot (blocks that call blocks), the ring
+        grows by one, with a warning."""
+        if key is not None and key in self.own:
+            s = self._own_page(key)
+            if s.transfer is not None:
+                try:
+                    s.transfer.wait()
+                except OSError:
+                    pass  # (its reader's error, if any)
+            self._wait_consumed(s)
+            s.key, s.transfer, s.ready, s.event, s.held = None, None, False, None, False
+            return s
+        general = [s for s in self.slots if s.own is None]
+        for s in general:
             if not s.held and (s.key is None or self._consumed(s)):
                 break
         else:
-            queued = [s for s in self.slots if s.event is not None]
-            ahead = [s for s in self.slots if s.event is None and not s.held]
+            queued = [s for s in general if s.event is not None]
+            ahead = [s for s in general if s.event is None and not s.held]
             if queued:
                 s = queued[0]
                 self._wait_consumed(s)
@@ -545,8 +593,15 @@ class StagingRing:
         """Starts reading ``key``'s range unless it is read or being read; False: no slot free."""
         if any(s.key == key and s.event is None for s in self.slots):
             return True
+        if key in self.own:
+            if self._intact(key) is None:
+                s = next((s for s in self.slots if s.own == key), None)
+                if s is not None and (s.held or not (s.key is None or self._consumed(s))):
+                    return False
+                self._submit(self.take(key), key, file, offset, nbytes, label)
+            return True
         for s in self.slots:
-            if s.key is None or self._consumed(s):
+            if s.own is None and (s.key is None or self._consumed(s)):
                 self._submit(s, key, file, offset, nbytes, label)
                 return True
         return False
@@ -554,9 +609,12 @@ class StagingRing:
     def get(self, key: int, file: PageFile, offset: int, nbytes: int, label: str) -> Tensor:
         """``key``'s bytes in a slot (read now if not ahead; waits for the read and its check)."""
         s = next((s for s in self.slots if s.key == key and s.event is None), None)
+        if s is None and key in self.own:
+            s = self._intact(key)
         if s is None:
-            s = self.take()
+            s = self.take(key)
             self._submit(s, key, file, offset, nbytes, label)
+            self.misses += 1
         if not s.ready:
             tr, s.transfer = s.transfer, None
             try:
@@ -578,15 +636,18 @@ class StagingRing:
 
     def stage(self, key: int) -> Tensor:
         """A slot to fill by hand (then written by the caller); given back by :meth:`drop`."""
-        s = self.take()
+        s = self.take(key)
         s.key, s.ready = key, False
         return s.buf
 
     def drop(self, key: int) -> None:
-        """Forgets ``key``'s slot (its bytes are not wanted any more)."""
+        """Forgets ``key``'s slot (its bytes are not wanted any more); a transient page of its
+        own is freed."""
         for s in self.slots:
             if s.key == key:
                 s.key, s.ready, s.event, s.held = None, False, None, False
+        if key in self.transient:
+            self.slots = [s for s in self.slots if s.own != key or s.transfer is not None]
 
     def reset(self) -> None:
         """After a fault: waits what is in flight and forgets every slot."""

@@ -493,19 +493,14 @@ def _run_case(name: str, spec: dict[str, Any], out: dict[str, Any], cleanup: lis
             own = [nvme]
             kw = dict(storage="nvme", nvme_dir=nvme, host_budget_gb=budget / GiB)
         # The weights read from the checkpoint as they are offloaded (checkpoint=: no second copy
-        # in RAM); where the offload refuses that, the model loaded into RAM first (its peak RSS
-        # then counts the load; "loaded" says which). The layer-granular offload's RAM ring
-        # (prefetch + 1 layers) counts in host_budget_gb: the most read-ahead the budget holds,
-        # 2 (the default) where it fits. plan_weights says, building nothing.
+        # in RAM, the routed experts too, one expert at a time). The layer-granular offload's RAM
+        # ring (prefetch + 1 layers) counts in host_budget_gb: the most read-ahead the budget
+        # holds, 2 (the default) where it fits. plan_weights says, building nothing; where none
+        # fits, the case fails with its reason (no fallback: its figures would count a load).
         prefetch, src, why = _plan(model, ckpt, kw)
         if src is None:
-            model = _load_resident(ckpt, cfg)
-            prefetch, _, why2 = _plan(model, None, kw)
-            out["loaded"] = f"into RAM first (checkpoint= refused: {why})"
-            if prefetch is None:
-                raise ValueError(why2)
-        else:
-            out["loaded"] = "from the checkpoint (checkpoint=)"
+            raise ValueError(why)
+        out["loaded"] = "from the checkpoint (checkpoint=)"
         if kw:
             out["prefetch"] = prefetch
         handle = offload_adam.offload_weights(model, device="cpu", checkpoint=src, num_threads=threads, prefetch=prefetch, **kw)
@@ -763,9 +758,6 @@ def _print(res: dict[str, Any]) -> dict[str, Any]:
         )
     for n in res["notes"]:
         print(f"  {n}")
-    for c in res["cases"]:
-        if str(c.get("loaded", "")).startswith("into RAM"):
-            print(f"  {c['title']}: the model loaded {c['loaded']}")
     t: dict[str, Any] = {}
     b, c, e = by.get("b-ours-cpu"), by.get("c-ours-nvme"), by.get("e-llama.cpp-bf16")
     if b is not None and "error" not in b:

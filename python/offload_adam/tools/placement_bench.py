@@ -7,7 +7,8 @@ configuration on the CPU (``device="cpu"``):
 
 (a) the model resident in RAM, plain torch;
 (b) ours, ``storage="nvme"`` under DIR with ``host_budget_gb`` at 25% of the weights: the other
-    blocks read ahead from the SSD (``O_DIRECT``) into a RAM ring of ``prefetch + 1`` pages;
+    blocks read ahead from the SSD (``O_DIRECT``) into a RAM ring of ``prefetch + 1`` pages of a
+    layer (the head, larger, kept in RAM), the embedding's rows read alone;
 (c) ours, ``storage="cpu"``: every block in RAM (the offload's overhead on the CPU), in
     alternating rounds with (a) (``--rounds``; the ratio per round, and its median);
 (d) accelerate's disk offload on the CPU: the same 25% on ``"cpu"`` in a ``device_map``, the rest
@@ -22,8 +23,9 @@ With ``--quantize int8`` (or ``fp8``), in the same run:
 
 Each gives time to first token (TTFT), decode tokens/s, the growth of the process's peak
 resident memory over the run and of its files' page cache (``mincore``); (b) also its bound:
-the bytes per token it reads from the SSD over this disk's ``O_DIRECT`` read rate (measured
-here, through the same I/O engine). Targets: (b) at least 0.85 of its bound, (c) at least 0.95x
+the bytes per token it reads from the SSD (``token_bytes``: the pages of the blocks on it, one
+4 KiB unit of the embedding) over this disk's ``O_DIRECT`` read rate (measured here, through
+the same I/O engine), the host's time waiting for the disk and running blocks. Targets: (b) at least 0.85 of its bound, (c) at least 0.95x
 (a), (b)'s page cache at most 5% of the bytes it read. The CPU's 1-row bf16 matmul is also
 measured against the host's read bandwidth: below 0.7 of it, torch's kernel, not the offload,
 bounds a decode step from RAM.
@@ -59,6 +61,25 @@ def _reset_peak() -> int:
     except OSError:
         pass
     return _status("VmRSS")
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of this process's threads so far, by thread name (``/proc/self/task``): the I/O
+    engine's io_uring driver (``offload-adam-ur``), the native kernel's pool (``offload-adam-N``),
+    and ``python``: the interpreter's threads (the main one, torch's OpenMP workers, the CRC pool)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{t}/stat") as f:
+                s = f.read()
+        except OSError:
+            continue
+        name = s[s.index("(") + 1 : s.rindex(")")]
+        fields = s[s.rindex(")") + 2 :].split()
+        key = "kernel pool" if name.startswith("offload-adam-") and name[13:].isdigit() else name
+        out[key] = out.get(key, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
 
 
 def _dir_cache(path: str) -> int:
@@ -146,11 +167,19 @@ def _nvme_case(
     )  # fmt: skip
     decode(model, x[:, :8], 2)  # the first forward records the order
     h.reset_stats()
+    cpu0, t0 = _thread_cpu(), time.perf_counter()
     out = _case(name, model, x, tokens)
+    wall = time.perf_counter() - t0
+    cpu1 = _thread_cpu()
+    out["threads_cpu_s"] = {k: v - cpu0.get(k, 0.0) for k, v in cpu1.items() if v - cpu0.get(k, 0.0) >= 0.01}
+    out["wall_s"] = wall
     r = h.report()
     out["page_cache_bytes"] = r["page_cache_bytes"]
     out["read_bytes"] = r["read_bytes"]
-    per_token = r["weights_bytes"] - r["host_resident_bytes"]
+    per_token = token_bytes(h.plan)
+    out["read_per_forward"] = r["read_bytes"] / max(r["passes"], 1)  # (the prompt's rows and the last read-ahead too)
+    out["cpu_s"] = r["cpu_s"]
+    out["matmuls"] = f"native {r['native_calls']}, torch {r['torch_calls']} (bf16 to the native kernel: {r['native_bf16']})"
     out["bound_tokens_s"] = disk * 1e9 / per_token
     out["of_bound"] = out["tokens_s"] / out["bound_tokens_s"]
     out["bytes_per_token"] = per_token
@@ -158,6 +187,17 @@ def _nvme_case(
     out["io_wait_s"] = r["io_wait_s"]
     h.close()
     return out
+
+
+def token_bytes(plan: Any) -> int:
+    """The bytes a decode token reads from the SSD under ``plan`` (batch 1): the page of each block
+    on it, but the embeddings looked up by rows (one 4 KiB unit each) and the blocks with a page
+    of their own (read once, kept)."""
+    from ..runtime.pages import ALIGN
+
+    hr = plan.host_ring
+    own = {i for i, _ in hr.own}
+    return sum(plan.blocks[i].nbytes for i in plan.on_nvme if i not in hr.rows and i not in own) + ALIGN * len(hr.rows)
 
 
 def run(
@@ -244,7 +284,14 @@ def run(
     print(
         f"(b): {b['bytes_per_token'] / GiB:.2f} GiB per token from the SSD; bound {b['bound_tokens_s']:.3f} tokens/s; "
         f"at {b['of_bound']:.2f} of it (target 0.85); page cache {b['page_cache_bytes'] / max(b['read_bytes'], 1):.2%} "
-        f"of the {b['read_bytes'] / GiB:.1f} GiB read (target 5%); calls {b['calls']}; host waited {b['io_wait_s']:.1f} s for the disk"
+        f"of the {b['read_bytes'] / GiB:.1f} GiB read (target 5%); calls {b['calls']}; host waited {b['io_wait_s']:.1f} s for the disk, "
+        f"ran blocks {b['cpu_s']:.1f} s; read {b['read_per_forward'] / GiB:.2f} GiB per forward"
+    )
+    print(
+        f"(b) where the time goes, over its {b['wall_s']:.1f} s (prompt and decode): host waiting for the disk {b['io_wait_s']:.1f} s, "
+        f"in blocks {b['cpu_s']:.1f} s; CPU seconds by thread: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in sorted(b["threads_cpu_s"].items(), key=lambda kv: -kv[1]))
+        + f"; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs; F.linear calls in blocks: {b['matmuls']}"
     )
     if e is not None:
         print(

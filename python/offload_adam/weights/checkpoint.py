@@ -117,6 +117,39 @@ class Checkpoint:
             self._io = _native.IoEngine()
         return self._io
 
+    def locate_experts(self, layouts: list[Any]) -> ExpertSources:
+        """Where each routed expert of ``layouts`` (``expertstore.ExpertsLayout``) is: each fused
+        parameter under its own name (``[E, ...]``, an expert's slice read alone), or per expert
+        under the names of ``PER_EXPERT`` (gate then up concatenated, as transformers fuses them).
+        Raises one error listing every problem; a quantized parameter is refused (build the model
+        unquantized)."""
+        out = ExpertSources()
+        bad: list[str] = []
+        for lay in layouts:
+            for ep in lay.params:
+                if ep.kind is not None or len(ep.parts) != 1:
+                    bad.append(f"{lay.name}.{ep.name} is a {ep.kind.__name__ if ep.kind else 'quantized tensor'}: build the model unquantized to fill its experts from a checkpoint")
+                    continue
+                q = ep.parts[0]
+                transposed = bool(getattr(lay.module, "is_transposed", False))
+                per, why = _locate_param(self.tensors, lay.name, lay.experts, ep.name, q.dtype, tuple(q.shape), q.offset, transposed)
+                if per is None:
+                    bad.append(str(why))
+                    continue
+                out.pieces[(lay.index, ep.name)] = per
+                out.used.update(loc.key for pieces in per for loc, *_ in pieces)
+        if bad:
+            raise ValueError(f"checkpoint {self.path!r} does not match the model's routed experts:\n  " + "\n  ".join(bad))
+        return out
+
+    def read_pieces(self, pieces: list[Piece], unit: Tensor) -> None:
+        """One expert's ``pieces`` read into ``unit`` (its bytes, uint8), each at its offset."""
+        reqs = [(False, self._file(loc.path), unit[at : at + n], loc.base + loc.entry.begin + off) for loc, off, n, at in pieces]
+        try:
+            self.io.submit(reqs).wait()
+        except OSError as err:
+            raise OSError(err.errno, f"offload_adam: reading the checkpoint's routed experts ({pieces[0][0].key}): {err.strerror}") from None
+
     def locate(self, blocks: list[Block], known: set[str]) -> dict[int, Located]:
         """Each parameter's tensor (by ``id``), checked: present under one of its names, with
         its shape and dtype. ``known``: every name of the model's state (its parameters, tied
@@ -129,7 +162,7 @@ class Checkpoint:
         dtypes: set[tuple[Any, Any]] = set()
         for b in blocks:
             for e in b.entries:
-                hit = next((self.tensors[n] for n in e.names if n in self.tensors), None)
+                hit = next((self.tensors[a] for n in e.names for a in _prefixes(n) if a in self.tensors), None)
                 if hit is None:
                     missing.append(e.names[0])
                     continue
@@ -152,6 +185,7 @@ class Checkpoint:
                     dtypes.add((hit.entry.dtype, p.dtype))
                 else:
                     out[id(p)] = hit
+        known = known | {a for n in known for a in _prefixes(n)}
         unexpected = sorted(k for k in self.tensors if k not in known)
         if missing or unexpected or bad:
             lines = []
@@ -195,3 +229,97 @@ class Checkpoint:
         if self._io is not None:
             self._io.close()  # its threads and io_uring too, now rather than at garbage collection
         self._io = None
+
+
+# -- routed experts (experts.py, expertstore.py) ---------------------------------------------------
+
+# The per-expert names real checkpoints give a fused experts parameter's expert (transformers 5
+# fuses them as it loads, by its conversion mapping: ``MergeModulelist(dim=0)`` then
+# ``Concatenate(dim=1)`` of the gate's and the up projection's lists, gate first): for each fused
+# parameter, the alternatives, each the names of the per-expert tensors concatenated along their
+# first dimension (Qwen2/3-MoE, DeepSeek-V2/V3, OLMoE, GLM-4-MoE...: gate_proj, up_proj,
+# down_proj; Mixtral, MiniMax: w1, w3, w2).
+PER_EXPERT: dict[str, tuple[tuple[str, ...], ...]] = {
+    "gate_up_proj": (("gate_proj.weight", "up_proj.weight"), ("w1.weight", "w3.weight")),
+    "down_proj": (("down_proj.weight",), ("w2.weight",)),
+    "up_proj": (("up_proj.weight",), ("w3.weight",)),
+}
+# Module renamings of those checkpoints (the mapping's ``WeightRenaming``): Mixtral's hub files
+# name the sparse block ``block_sparse_moe``, transformers 5's model ``mlp``.
+RENAMES = ((".mlp.", ".block_sparse_moe."),)
+
+# Where one expert's bytes of one fused parameter are: (tensor, its byte offset in the tensor,
+# bytes, the byte offset in the expert's unit).
+Piece = tuple[Located, int, int, int]
+
+
+def _prefixes(module: str) -> list[str]:
+    """``module`` (a module's or tensor's name) and its names in the checkpoints of ``RENAMES``."""
+    out = [module]
+    for ours, theirs in RENAMES:
+        dotted = f".{module}."
+        if ours in dotted:
+            out.append(dotted.replace(ours, theirs)[1:-1])
+    return out
+
+
+def _nbytes(dtype: Any, shape: tuple[int, ...]) -> int:
+    import torch
+
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+class ExpertSources:
+    """Where each routed expert's bytes are in a checkpoint (see :meth:`Checkpoint.locate_experts`):
+    ``pieces[(layout, parameter)][e]``, read one expert at a time; ``used``, the checkpoint's
+    names they take."""
+
+    def __init__(self) -> None:
+        self.pieces: dict[tuple[int, str], list[list[Piece]]] = {}
+        self.used: set[str] = set()
+
+
+def _locate_param(tensors: dict[str, Located], module: str, experts: int, name: str, dtype: Any,
+                  shape: tuple[int, ...], offset: int, transposed: bool) -> tuple[list[list[Piece]] | None, str | None]:  # fmt: skip
+    """One fused parameter's pieces, per expert: the fused tensor under the model's own name, or
+    the per-expert tensors; (None, why) if neither fits."""
+    full = f"{module}.{name}"
+    one = _nbytes(dtype, shape)
+    hit = tensors.get(full)
+    if hit is not None:
+        if tuple(hit.entry.shape) != (experts, *shape) or hit.entry.dtype != dtype:
+            return None, (
+                f"{'size' if tuple(hit.entry.shape) != (experts, *shape) else 'dtype'} mismatch for {full!r}: the checkpoint has "
+                f"{hit.entry.dtype} of shape {tuple(hit.entry.shape)}, the model's parameter is {dtype} of shape {(experts, *shape)}"
+            )
+        return [[(hit, e * one, one, offset)] for e in range(experts)], None
+    for prefix in _prefixes(module):
+        for names in PER_EXPERT.get(name, ()):
+            if f"{prefix}.0.{names[0]}" not in tensors:
+                continue
+            if transposed or len(shape) != 2 or shape[0] % len(names):
+                return None, (
+                    f"{full}: the checkpoint has it per expert ({prefix}.0.{names[0]}, ...) and the model's experts are "
+                    f"{'transposed' if transposed else f'of shape {shape}'}: only [E, out, in] experts are filled from per-expert tensors"
+                )
+            each = (shape[0] // len(names), shape[1])
+            per: list[list[Piece]] = []
+            for e in range(experts):
+                pieces: list[Piece] = []
+                for i, n in enumerate(names):
+                    key = f"{prefix}.{e}.{n}"
+                    loc = tensors.get(key)
+                    if loc is None:
+                        return None, f"missing tensor {key!r} for the routed experts parameter {full!r} (found per expert)"
+                    if tuple(loc.entry.shape) != each or loc.entry.dtype != dtype:
+                        return None, (
+                            f"mismatch for {key!r}: the checkpoint has {loc.entry.dtype} of shape {tuple(loc.entry.shape)}, "
+                            f"expert {e}'s part of {full!r} is {dtype} of shape {each}"
+                        )
+                    pieces.append((loc, 0, one // len(names), offset + i * (one // len(names))))
+                per.append(pieces)
+            return per, None
+    return None, f"missing tensor(s) for the routed experts parameter {full!r} (neither fused nor per expert)"

@@ -60,6 +60,7 @@ from .placement import call_shape, to_device, to_host
 
 NAME = "offload_adam"  # the name of the offload's function in transformers' ExpertsInterface
 ATTR = "_offload_adam_experts"  # an experts module's runner, while offloaded
+STREAM_ROWS = 32  # a call on the device of more rows (a prompt) streams its routed experts whole (Experts._streamed)
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 
 
@@ -75,10 +76,11 @@ def is_fused_experts(m: torch.nn.Module) -> bool:
     return isinstance(n, int) and down is not None and down.dim() >= 2 and down.shape[0] == n
 
 
-def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> list[ExpertsLayout]:
+def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset(), checkpoint: bool = False) -> list[ExpertsLayout]:
     """The fused experts modules of ``model`` (see the module documentation) with their fused
     parameters (every parameter of the module whose first dimension is ``num_experts``), laid out
-    as units. Raises naming the module where one cannot be offloaded per expert."""
+    as units. Raises naming the module where one cannot be offloaded per expert. ``checkpoint``:
+    a checkpoint fills the units (a parameter may be on the meta device)."""
     out: list[ExpertsLayout] = []
     seen: set[int] = set()
     for name, m in model.named_modules():
@@ -95,11 +97,8 @@ def find_experts(model: torch.nn.Module, keep: frozenset[int] = frozenset()) -> 
                 continue
             if id(p) in keep:
                 raise ValueError(f"resident: {where}.{pname} is a routed experts parameter, offloaded per expert; leave it out of resident=")
-            if p.device.type == "meta":
-                raise ValueError(
-                    f"model: {where}.{pname} is on the meta device: routed experts are stored per expert from the "
-                    "model's own tensors (checkpoint= does not fill them yet: load the model, then offload it)"
-                )
+            if p.device.type == "meta" and not checkpoint:
+                raise ValueError(f"model: {where}.{pname} is on the meta device: pass checkpoint= to load the weights")
             params.append(expert_param(where, pname, p, e))
         check_unwrapped(model, m, where)  # (an adapter on the experts' parameters: expertgrad.py)
         lay = ExpertsLayout(len(out), where, m, e, params)
@@ -154,13 +153,15 @@ class Experts:
         self.saved: list[tuple[Any, Any]] = []  # (config, its experts implementation before)
         self.handles: list[Any] = []
         self.phase = "prompt"
+        self.stream_bufs: list[Tensor] = []  # the two device buffers a call of many rows streams its experts through
+        self.stream_free: list[Any] = [None, None]  # each buffer's last reader (an event of the compute stream)
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.store.reset_stats()
         z = {
             "calls": 0, "experts": 0, "hits": 0, "misses": 0, "read_bytes": 0, "native": 0, "torch": 0, "cpu_s": 0.0,
-            "gpu_hits": 0, "copied": 0, "cpu_computed": 0, "h2d_bytes": 0,
+            "gpu_hits": 0, "copied": 0, "cpu_computed": 0, "h2d_bytes": 0, "streamed": 0,
         }  # fmt: skip
         self.stats: dict[str, dict[str, Any]] = {"prompt": dict(z), "decode": dict(z), "backward": dict(z)}
 
@@ -258,6 +259,8 @@ class Experts:
         try:
             if not on_host and self.gpu is not None:
                 st["torch"] += 1
+                if hidden.shape[0] > STREAM_ROWS:
+                    return self._streamed(m, lay, hidden, index, weights)
                 return self._on_device(m, lay, hidden, index, weights)
             if self._native_ok(m, lay, hidden):
                 st["native"] += 1
@@ -335,6 +338,72 @@ class Experts:
             final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
         return final_hidden_states
 
+    def _streamed(self, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        """A call of more than :data:`STREAM_ROWS` rows on the device (a prompt): every routed
+        expert runs there, the eager loop's operations in its order; those the device cache holds
+        from it, the others' units streamed whole through two device buffers on the copy stream,
+        the next copied while the current computes (the cache left as it was: a prompt's experts
+        would evict the decode's). Waits (ARCHITECTURE.md): a copy into a buffer after the compute
+        that read it last (its event, kept across calls); the compute after its copy (a stream
+        wait); a unit from the SSD's RAM cache, the host after its copy (the store reuses the
+        slot for the next unit)."""
+        gpu = self.gpu
+        assert gpu is not None
+        dev = self.device
+        st = self.stats[self.phase]
+        n = lay.experts
+        final_hidden_states = torch.zeros_like(hidden_states)
+        with torch.no_grad():
+            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
+            expert_mask = expert_mask.permute(2, 1, 0)
+            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        hit = [int(i) for i in self._to_host(expert_hit[:, 0]).tolist() if i < n]  # (the one sync of a call)
+        cached = {e: gpu.get(lay.index, e) for e in hit}
+        miss = [e for e in hit if cached[e] is None]
+        if miss and not self.stream_bufs:
+            self.stream_bufs = [dev.empty(gpu.slot_bytes, torch.uint8) for _ in range(2)]
+            self.stream_free = [dev.record_current(), dev.record_current()]  # (after the allocation)
+        bufs, free = self.stream_bufs, self.stream_free
+        units = self.store.units(lay, miss)
+        copied: dict[int, tuple[int, Any]] = {}
+
+        def issue(i: int) -> None:
+            e, host_unit = next(units)
+            b = i % 2
+            dev.stream_waits(dev.h2d, free[b])  # after the compute that read the buffer last
+            dev.copy([(bufs[b][: host_unit.numel()], host_unit)], dev.h2d)
+            done = dev.record(dev.h2d)
+            if self.store.buf is None:
+                dev.host_wait(done)  # (the store's slot is reused for the next unit)
+            copied[e] = (b, done)
+            st["streamed"] += 1
+            st["h2d_bytes"] += lay.unit_bytes
+
+        try:
+            if miss:
+                issue(0)
+            k = 0
+            for e in hit:
+                top_k_pos, token_idx = torch.where(expert_mask[e])
+                unit = cached[e]
+                if unit is not None:
+                    st["gpu_hits"] += 1
+                    st["experts"] += 1
+                    h = _expert(m, lay.weights(unit), hidden_states[token_idx], top_k_weights[token_idx, top_k_pos, None])
+                    final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
+                    continue
+                if k + 1 < len(miss):
+                    issue(k + 1)
+                b, done = copied.pop(e)
+                dev.current_waits(done)  # the compute after its copy
+                h = _expert(m, lay.weights(bufs[b]), hidden_states[token_idx], top_k_weights[token_idx, top_k_pos, None])
+                final_hidden_states.index_add_(0, token_idx, h.to(final_hidden_states.dtype))
+                free[b] = dev.record_current()
+                k += 1
+        finally:
+            units.close()
+        return final_hidden_states
+
     def _native(self, lay: ExpertsLayout, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
         """The routed experts on :func:`run_native`: in one call where every unit lives in RAM,
         else each as it is read, their results summed in float32 and rounded once."""
@@ -404,6 +473,7 @@ class DeviceCache:
         self.slots = [device.empty(slot_bytes, torch.uint8, meter) for _ in range(capacity)]
         self.cache = _Slru(capacity)
         self.free = list(range(capacity))
+        self.slot_bytes = slot_bytes
         self.nbytes = capacity * slot_bytes
 
     def get(self, layout: int, e: int) -> Tensor | None:

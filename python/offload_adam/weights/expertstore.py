@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -265,6 +265,23 @@ class ExpertStore:
             for w in writes:
                 w.wait()
 
+    def fill_from(self, lay: ExpertsLayout, read: Callable[[int, Tensor], None]) -> None:
+        """``lay``'s units filled by ``read(e, unit)`` (a checkpoint's reader: ``checkpoint.py``),
+        one expert at a time: into its place in RAM, or into one unit's buffer written to the SSD
+        (waited for) before the next is read: never more than one unit is staged, so a model
+        larger than RAM is stored from its checkpoint."""
+        stride = self.stride[lay.index]
+        if self.buf is not None:
+            for e in range(lay.experts):
+                o = self._unit(lay, e)
+                read(e, self.buf[o : o + lay.unit_bytes])
+            return
+        unit = aligned_empty(stride, torch.uint8)
+        unit[lay.unit_bytes :].zero_()
+        for e in range(lay.experts):
+            read(e, unit[: lay.unit_bytes])
+            self.file.write(self._unit(lay, e), unit, self._what(lay, e)).wait()
+
     def pin(self) -> None:
         """Every unit filled: the RAM copy pinned (copies from it are asynchronous); the cache's
         slots made."""
@@ -326,7 +343,7 @@ class ExpertStore:
         self.hits = 0
         self.misses = 0
 
-    def units(self, lay: ExpertsLayout, experts: list[int]) -> Iterator[tuple[int, Tensor]]:
+    def units(self, lay: ExpertsLayout, experts: list[int]) -> Generator[tuple[int, Tensor], None, None]:
         """Each of ``experts`` (of ``lay``) with its unit's bytes, in their order, each valid
         until the next is asked for: from RAM, the cache, or read (the misses a few ahead)."""
         if self.buf is not None:

@@ -24,17 +24,17 @@ from torch import Tensor
 from ..runtime import checks
 from ..runtime.device import HOST, Device, HostDevice, Meter, default_device, device_for, set_data, stream_device, swap
 from ..runtime.hosted import Home, claimed, set_home, wait_for_writer
-from ..runtime.pinned import PinnedArena, align_up, trim_host_memory
+from ..runtime.pinned import PinnedArena, trim_host_memory
 from . import arguments, costs, progress, summary
-from ..runtime.pages import ALIGN
-from .blocks import TENSOR_ALIGN, Block, Entry, find_blocks, wrapped
+from .blocks import Block, Entry, find_blocks, wrapped
 from .experts import DeviceCache, Experts, expert_params, find_experts
-from .expertstore import READ_AHEAD, ExpertsLayout, ExpertStore
-from .checkpoint import Checkpoint
+from .expertstore import ExpertsLayout, ExpertStore
+from .checkpoint import Checkpoint, ExpertSources
 from .loader import placeholders
 from .placement import PLACEMENTS, HostCalls, Placer
-from .plan import WeightPlan, describe, make_plan, staging_slots, warn_capped
+from .plan import WeightPlan, describe, experts_plan, make_plan, staging_slots, warn_capped
 from .quantize import Quantizer, quantize_blocks, quantizer
+from .rows import RowLookups
 from .storage import HostWeights, NvmeWeights, Sources
 from .streamer import Streamer
 from .undo import Undo, from_copy
@@ -79,7 +79,7 @@ def _prepare(model: torch.nn.Module, a: _Args, undo: Undo) -> tuple[list[Block],
     if a.quantize is not None:
         quantize_blocks(model, a.blocks, checkpoint, a.quantize, a.keep, undo)
         checkpoint = None  # (read: the model is on the host now, quantized)
-    routed = find_experts(model, a.keep)
+    routed = find_experts(model, a.keep, checkpoint is not None)
     return find_blocks(model, a.blocks, a.keep | expert_params(routed)), checkpoint, routed
 
 
@@ -87,8 +87,9 @@ def _buffers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, str, Tensor]
     return [(m, name, buf) for m in model.modules() for name, buf in m._buffers.items() if buf is not None]
 
 
-def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args) -> WeightPlan:
-    """The plan of ``blocks`` under the arguments ``a`` (pure: see ``plan.py``)."""
+def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args, routed: list[ExpertsLayout]) -> WeightPlan:
+    """The plan of ``blocks`` and the expert store of ``routed`` under the arguments ``a`` (pure:
+    see ``plan.py``)."""
     kept = [p for p in model.parameters() if id(p) in a.keep]
     buffer_bytes = sum(b.numel() * b.element_size() for _, _, b in _buffers(model)) + sum(p.numel() * p.element_size() for p in kept)
     on_device = not isinstance(a.device, HostDevice)
@@ -99,6 +100,7 @@ def _plan_of(model: torch.nn.Module, blocks: list[Block], a: _Args) -> WeightPla
         host_budget=None if a.host_budget_gb is None else int(a.host_budget_gb * GiB),
     )  # fmt: skip
     p.args = dict(a.raw)
+    p.experts = experts_plan(p, [(lay.experts, lay.unit_bytes) for lay in routed])
     return p
 
 
@@ -150,6 +152,26 @@ def _to_meta(e: Entry) -> None:
     swap(e.param, e.rebuild([torch.empty(q.shape, dtype=q.dtype, device="meta") for q in e.parts]))
 
 
+def _nvme_source(p: WeightPlan, device: Device, arena: PinnedArena, nvme_dir: Any, disk: list[Block]) -> NvmeWeights:
+    """The blocks ``disk`` on NVMe, read into the RAM ring the plan sized (``host_ring_plan``)."""
+    hr = p.host_ring
+    if p.on_device or not disk:
+        return NvmeWeights(device, arena, nvme_dir, disk, staging_slots(p.ahead, len(disk), p.on_device))
+    own = dict(hr.own) | {i: p.blocks[i].nbytes for i in hr.rows}  # (an embedding's: only to fill it, or read it whole)
+    return NvmeWeights(device, arena, nvme_dir, disk, hr.slots, page=hr.page, own=own, transient=hr.rows)
+
+
+def _row_lookups(p: WeightPlan, blocks: list[Block], sources: Sources, streamer: Streamer, undo: Undo) -> RowLookups | None:
+    """The embeddings on NVMe looked up by their rows (``rows.py``), with the CPU as the device."""
+    rows = sorted(p.host_ring.rows) if not p.on_device else []
+    if not rows or sources.nvme is None:
+        return None
+    lookups = RowLookups(sources.nvme, [blocks[i] for i in rows])
+    undo.add(lookups.close)
+    streamer.rows = lookups
+    return lookups
+
+
 class WeightOffload:
     """The handle :func:`offload_weights` returns: ``plan`` (what it built: see
     :func:`plan_weights`), ``report()``, ``reset_stats()``, ``close()``."""
@@ -161,8 +183,10 @@ class WeightOffload:
         self.native_matmul = a.native_matmul
         with Undo(model) as undo:  # (a failure puts the model back as it was: see undo.py)
             self.blocks, checkpoint, routed = _prepare(model, a, undo)
-            found = _plan_of(model, self.blocks, a)
+            found = _plan_of(model, self.blocks, a, routed)
             self.plan = found if plan is None else _matched(plan, found)
+            # (the expert store follows the blocks' homes, which a plan given may have edited)
+            self.plan.experts = experts_plan(self.plan, [(lay.experts, lay.unit_bytes) for lay in routed])
             warn_capped(self.plan, 4)
             # resident=: parameters in no block, on the device for the whole offload (as buffers)
             self.kept = [p for p in model.parameters() if id(p) in a.keep]
@@ -174,13 +198,15 @@ class WeightOffload:
             self.placeholders = placeholders(device, [self.blocks[i] for i in self.streamed], self.meter)
             ck = Checkpoint(checkpoint) if checkpoint is not None else None
             try:
-                self._fill(ck, _buffers(model), undo)
+                # (the experts' tensors found first: their names are the checkpoint's too)
+                located = ck.locate_experts(routed) if ck is not None else None
+                self._fill(ck, _buffers(model), undo, located.used if located is not None else set())
                 for src in self.sources:
                     src.pin()
+                self.experts = self._experts(routed, a.nvme_dir, undo, ck, located)
             finally:
                 if ck is not None:
                     ck.close()
-            self.experts = self._experts(routed, a.nvme_dir, undo)
             self.homes = self._homes(undo)
             self.placer = self._placer(a.cost_model)
             if self.experts is not None:
@@ -190,6 +216,7 @@ class WeightOffload:
             self.streamer = Streamer(device, self.blocks, self.plan, self.sources, self.meter, guess, self.placeholders, self.homes, self.placer)
             undo.add(self.streamer.close)
             self.host_calls = self._host_calls(undo)
+            self.rows = _row_lookups(self.plan, self.blocks, self.sources, self.streamer, undo)
             if self.experts is not None:
                 self.experts.attach(model)  # (the last change: the model's experts run ours from here)
                 undo.add(self.experts.detach)
@@ -220,44 +247,43 @@ class WeightOffload:
         disk = [self.blocks[i] for i in p.on_nvme]
         host = HostWeights(self.arena, ram) if ram or p.storage == "cpu" else None
         try:
-            slots = staging_slots(p.ahead, len(disk), p.on_device)
-            nvme = NvmeWeights(self.device, self.arena, nvme_dir, disk, slots) if p.storage == "nvme" else None
+            nvme = _nvme_source(p, self.device, self.arena, nvme_dir, disk) if p.storage == "nvme" else None
         except BaseException:
             if host is not None:
                 host.close()
             raise
         return Sources(host, nvme, {b.index for b in ram})
 
-    def _experts(self, routed: list[ExpertsLayout], nvme_dir: Any, undo: Undo) -> Experts | None:
+    def _experts(
+        self, routed: list[ExpertsLayout], nvme_dir: Any, undo: Undo, ck: Checkpoint | None = None, found: ExpertSources | None = None
+    ) -> Experts | None:
         """The fused routed experts stored per expert (``expertstore.py``), in RAM or on the SSD
         with a RAM cache of what ``host_budget_gb`` leaves after the plan's RAM tier (the dense
         blocks it keeps and its ring: a dense part is read every token, an expert only when
-        routed), their parameters on the meta device meanwhile."""
+        routed), their parameters on the meta device meanwhile. With a checkpoint (``ck``), each
+        unit is read from it alone (``checkpoint.py``: fused or per-expert tensors)."""
         if not routed:
             return None
         p = self.plan
-        capacity = 0
-        if p.storage == "nvme" and p.host_budget is not None:
-            unit = max(align_up(lay.unit_bytes, ALIGN) for lay in routed)
-            left = p.host_budget - p.tier_bytes()["ram"] - READ_AHEAD * unit
-            capacity = min(max(0, left // unit), sum(lay.experts for lay in routed))
+        xp = p.experts  # (the plan's expert store: its caches' sizes, as plan_weights says them)
+        assert xp is not None
+        capacity = xp.cache_units
         store = ExpertStore(routed, self.arena, nvme_dir if p.storage == "nvme" else None, capacity)
         undo.add(store.close)
         for lay in routed:
-            store.fill(lay)
+            if found is not None and ck is not None:
+                pieces = [found.pieces[(lay.index, ep.name)] for ep in lay.params]
+                store.fill_from(lay, lambda e, unit, pieces=pieces: ck.read_pieces([x for per in pieces for x in per[e]], unit))  # type: ignore[misc]
+            else:
+                store.fill(lay)
             for ep in lay.params:
+                if ep.param.device.type == "meta":
+                    continue  # (filled from the checkpoint: a failure leaves it there)
                 _to_meta(Entry(ep.param, [f"{lay.name}.{ep.name}"]))
                 undo.keep(ep.param, functools.partial(store.restore, lay, [ep]))
             trim_host_memory()
         store.pin()
-        gpu = None
-        if p.on_device and p.gpu_budget is not None:
-            # The device's expert cache: what gpu_budget_gb leaves after the plan's device tier
-            # (resident blocks, buffers, the ring), in units of the largest expert.
-            unit = max(align_up(lay.unit_bytes, TENSOR_ALIGN) for lay in routed)
-            slots = min(max(0, (p.gpu_budget - p.tier_bytes()["device"]) // unit), sum(lay.experts for lay in routed))
-            if slots:
-                gpu = DeviceCache(self.device, slots, unit, self.meter)
+        gpu = DeviceCache(self.device, xp.gpu_units, xp.gpu_bytes // xp.gpu_units, self.meter) if xp.gpu_units else None
         return Experts(self.device, routed, store, self.native_matmul, self.num_threads, gpu)
 
     def _homes(self, undo: Undo) -> dict[int, list[Home]]:
@@ -306,7 +332,7 @@ class WeightOffload:
                     hc.attach(m, b.index)
         return hc
 
-    def _fill(self, ck: Checkpoint | None, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo) -> None:
+    def _fill(self, ck: Checkpoint | None, buffers: list[tuple[torch.nn.Module, str, Tensor]], undo: Undo, used: set[str]) -> None:
         """Every block's bytes into their storage (streamed) or device memory (resident), from
         the model's own tensors or the checkpoint, block by block, its parameters then pointed
         at their placeholders or device copies; ``undo`` records how to put each back (see
@@ -316,7 +342,7 @@ class WeightOffload:
         block; the others' tensors are kept until the offload is complete (the host holds them
         anyway: they go to NVMe or the GPU)."""
         dev = self.device
-        where = ck.locate(self.blocks, set(self.model.state_dict(keep_vars=True))) if ck is not None else {}
+        where = ck.locate(self.blocks, set(self.model.state_dict(keep_vars=True)) | used) if ck is not None else {}
         every_resident = self.resident
         for b in progress.blocks(self.blocks, len(self.blocks), "offload_weights: filling blocks"):  # (a bar on a terminal, past 3 s)
             resident = b.index in every_resident
@@ -490,6 +516,8 @@ class WeightOffload:
                 self.host_calls.close()
             if self.experts is not None:
                 self.experts.detach()
+            if self.rows is not None:
+                self.rows.close()
             # Every stream, the user's included, before the ring is freed: a forward under
             # torch.cuda.stream(s) may still read it, and memory freed first could go to another
             # thread's allocation meanwhile (a cold path: one synchronize).
@@ -756,8 +784,8 @@ def plan_weights(
     a = _check_args(**locals())
     undo = Undo(model)
     try:
-        found, _, _ = _prepare(model, a, undo)
-        return _plan_of(model, found, a)
+        found, _, routed = _prepare(model, a, undo)
+        return _plan_of(model, found, a, routed)
     finally:
         undo.undo()
 

@@ -32,9 +32,10 @@ import torch
 
 from ..runtime.pages import ALIGN
 from ..runtime.pinned import align_up
-from .blocks import Block
+from .blocks import TENSOR_ALIGN, Block
 
 GiB = 1 << 30
+EXPERT_READ_AHEAD = 4  # (expertstore.READ_AHEAD: the RAM cache's slots beside its capacity)
 HOMES = ("device", "ram", "nvme")
 DEFAULT_PREFETCH = 2  # offload_weights' default: capped without a word when fewer blocks stream
 
@@ -50,6 +51,7 @@ class BlockPlan:
     layer: bool = False  # a layer of a ModuleList of repeated layers
     own_slot: bool = False  # needs a slot of its own in the ring (tied; or runs other blocks)
     lookup: bool = False  # an embedding: its rows are looked up on the host (inference)
+    by_rows: bool = False  # a lookup whose rows can be read alone from the SSD (rows.readable)
     quantized: bool = False  # holds quantized parameters (tensor subclasses)
     off_device: str = "device"  # where it runs when not resident: "device", "cpu" or "per call"
 
@@ -102,10 +104,12 @@ def host_only_blocks(blocks: Sequence[Block]) -> set[int]:
 
 def describe(blocks: Sequence[Block]) -> list[BlockPlan]:
     """The blocks found in a model (``blocks.py``) as the plan sees them (every home ``"ram"``)."""
+    from .rows import readable
+
     own, lookup = own_slot_blocks(blocks), host_only_blocks(blocks)
     return [
         BlockPlan(b.index, b.name, b.nbytes, layer=b.layer, own_slot=b.index in own, lookup=b.index in lookup,
-                  quantized=any(e.wrapped for e in b.entries))
+                  quantized=any(e.wrapped for e in b.entries), by_rows=b.index in lookup and readable(b))
         for b in blocks
     ]  # fmt: skip
 
@@ -142,18 +146,58 @@ def page_bytes(blocks: Sequence[BlockPlan], which: Sequence[int]) -> int:
     return max((align_up(blocks[i].nbytes, ALIGN) for i in which), default=0)
 
 
+@dataclass(frozen=True)
+class HostRingPlan:
+    """The RAM ring NVMe pages are read into: ``slots`` general pages of ``page`` bytes, a page of
+    its own (``own``: block -> bytes) for each block larger than the general pages, and no page
+    for the blocks whose rows are read instead (``rows``: embeddings looked up on the host)."""
+
+    slots: int = 0
+    page: int = 0
+    own: tuple[tuple[int, int], ...] = ()
+    rows: frozenset[int] = frozenset()
+
+    @property
+    def nbytes(self) -> int:
+        return self.slots * self.page + sum(n for _, n in self.own)
+
+
+def host_ring_plan(blocks: Sequence[BlockPlan], nvme: Sequence[int], prefetch: int, on_device: bool) -> HostRingPlan:
+    """The RAM ring for the blocks ``nvme`` on the SSD. With a device, ``staging_slots`` pages of
+    the largest block (each copied on from its page). With the CPU as the device the pages are
+    sized by the largest layer: ``prefetch + 1`` of them (one run, ``prefetch`` read ahead),
+    each block larger than that and no layer (a head, tied or not) gets a page of its own, kept
+    between its runs, and an embedding whose rows can be read alone (``by_rows``) none: only the
+    pages of the rows a call looks up are read (``rows.py``)."""
+    if not nvme:
+        return HostRingPlan()
+    if on_device:
+        return HostRingPlan(staging_slots(prefetch, len(nvme), True), page_bytes(blocks, nvme))
+    rows = frozenset(i for i in nvme if blocks[i].by_rows)
+    rest = [i for i in nvme if i not in rows]
+    layers = [blocks[i].nbytes for i in rest if blocks[i].layer]
+    size = max(layers) if layers else max((blocks[i].nbytes for i in rest), default=0)
+    own = tuple((i, align_up(blocks[i].nbytes, ALIGN)) for i in rest if blocks[i].nbytes > size)
+    general = [i for i in rest if blocks[i].nbytes <= size]
+    slots = staging_slots(prefetch, len(general), False) if general else 0
+    return HostRingPlan(slots, align_up(size, ALIGN) if general else 0, own, rows)
+
+
 def choose_resident(
     blocks: Sequence[BlockPlan], budget: int | None, prefetch: int, buffers: int,
     ring: Callable[[list[int]], int] | None = None, what: str = "gpu_budget_gb", among: Sequence[int] | None = None,
+    last: Sequence[int] = (),
 ) -> set[int]:  # fmt: skip
     """The blocks kept within ``budget`` bytes (None: none), after the ring: small blocks first
-    (not layers, by size), then layers in order. Raises if the ring alone (with the buffers,
-    always resident) does not fit. ``ring``: the ring's bytes for the blocks left streamed
-    (default: the device's); ``what`` names the budget in the error; ``among``: the blocks that
-    may be kept (default: all)."""
+    (not layers, by size), then layers in order, then ``last`` (blocks whose streaming costs
+    little: an embedding of which only the rows looked up are read). Raises if the ring alone
+    (with the buffers, always resident) does not fit. ``ring``: the ring's bytes for the blocks
+    left streamed (default: the device's); ``what`` names the budget in the error; ``among``:
+    the blocks that may be kept (default: all)."""
     every = [b.index for b in blocks] if among is None else list(among)
     if budget is None:
         return set()
+    at_end = set(last)
     ring_of = ring or (lambda streamed: ring_bytes(blocks, streamed, prefetch))
 
     def cost(res: set[int]) -> int:
@@ -165,12 +209,72 @@ def choose_resident(
             f"{what}: {budget / GiB:.4g} GiB is smaller than the streaming ring with prefetch={prefetch} "
             f"({cost(set()) / GiB:.4g} GiB, buffers included)"
         )
-    order = sorted((i for i in every if not blocks[i].layer), key=lambda i: blocks[i].nbytes) + [i for i in every if blocks[i].layer]
+    order = sorted((i for i in every if not blocks[i].layer and i not in at_end), key=lambda i: blocks[i].nbytes)
+    order += [i for i in every if blocks[i].layer and i not in at_end] + [i for i in every if i in at_end]
     res: set[int] = set()
     for i in order:
         if cost(res | {i}) <= budget:
             res.add(i)
     return res
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """The routed experts' store (``expertstore.py``; not editable): ``units`` experts of
+    ``modules`` fused experts modules, ``nbytes`` of weights, stored in ``home`` (``"ram"``: every
+    unit in one host allocation of ``ram_bytes``; ``"nvme"``: each unit its own 4 KiB range,
+    ``nvme_bytes`` in all, read into a RAM cache of ``cache_units`` units, ``ram_bytes`` with its
+    read-ahead slots), and a device cache of ``gpu_units`` units (``gpu_bytes``). The names are
+    ``report()``'s (``expert_units``, ``expert_bytes``...)."""
+
+    modules: int
+    units: int
+    nbytes: int  # the units' bytes (each expert's slices, packed)
+    unit_bytes: int  # the largest unit, as stored (aligned to the SSD's 4 KiB with nvme)
+    home: str  # "ram" or "nvme"
+    ram_bytes: int
+    cache_units: int
+    nvme_bytes: int
+    gpu_units: int = 0
+    gpu_bytes: int = 0
+
+    def line(self) -> str:
+        mib = 2**20
+        where = (
+            f"on the SSD {self.nvme_bytes / mib:.2f} MiB, RAM cache {self.cache_units} units ({self.ram_bytes / mib:.2f} MiB with its read-ahead)"
+            if self.home == "nvme" else f"in RAM {self.ram_bytes / mib:.2f} MiB"
+        )  # fmt: skip
+        gpu = f", device cache {self.gpu_units} units ({self.gpu_bytes / mib:.2f} MiB)" if self.gpu_units else ""
+        return f"routed experts: {self.modules} modules, {self.units} experts of {self.nbytes / mib:.2f} MiB {where}{gpu}"
+
+
+def experts_plan(p: WeightPlan, layouts: Sequence[tuple[int, int]]) -> ExpertsPlan | None:
+    """The expert store of ``layouts`` (each module's experts and packed unit bytes) under the
+    plan ``p`` (its blocks' homes set): with NVMe, a RAM cache of what ``host_budget`` leaves after
+    the plan's RAM tier and the read-ahead slots, in units of the largest; on a device with
+    ``gpu_budget``, a device cache of what its device tier leaves (``offload.py`` builds these)."""
+    if not layouts:
+        return None
+    units = sum(e for e, _ in layouts)
+    nbytes = sum(e * u for e, u in layouts)
+    nvme = p.storage == "nvme"
+    if nvme:
+        unit = max(align_up(u, ALIGN) for _, u in layouts)
+        cache = 0
+        if p.host_budget is not None:
+            left = p.host_budget - p.tier_bytes()["ram"] - EXPERT_READ_AHEAD * unit
+            cache = min(max(0, left // unit), units)
+        ram = (cache + EXPERT_READ_AHEAD) * unit
+        stored = sum(e * align_up(u, ALIGN) for e, u in layouts)
+    else:
+        unit = max(align_up(u, TENSOR_ALIGN) for _, u in layouts)
+        cache, stored = 0, 0
+        ram = sum(e * align_up(u, TENSOR_ALIGN) for e, u in layouts)
+    gpu_units = 0
+    gpu_unit = max(align_up(u, TENSOR_ALIGN) for _, u in layouts)
+    if p.on_device and p.gpu_budget is not None:
+        gpu_units = min(max(0, (p.gpu_budget - p.tier_bytes()["device"]) // gpu_unit), units)
+    return ExpertsPlan(len(layouts), units, nbytes, unit, "nvme" if nvme else "ram", ram, cache, stored, gpu_units, gpu_units * gpu_unit)
 
 
 @dataclass
@@ -191,6 +295,7 @@ class WeightPlan:
         buffer_bytes: the buffers' and the ``resident=`` parameters' bytes (default: 0).
         on_device: False when the CPU runs the model, without a device (default: True).
         args: the ``offload_weights`` arguments the plan was made with (default: empty).
+        experts: the routed experts' store, an :class:`ExpertsPlan` (default: None, none).
     """
 
     blocks: list[BlockPlan]
@@ -203,6 +308,7 @@ class WeightPlan:
     buffer_bytes: int = 0  # buffers and parameters kept on the device (resident=)
     on_device: bool = True  # False: the CPU runs the model (no device)
     args: dict[str, Any] = field(default_factory=dict, repr=False)  # the offload_weights arguments it was made with
+    experts: ExpertsPlan | None = None  # the routed experts' store (experts_plan)
 
     @property
     def resident(self) -> set[int]:
@@ -246,14 +352,18 @@ class WeightPlan:
         return ring_bytes(self.blocks, self.streamed, self.ahead, self.placement != "cpu")
 
     @property
+    def host_ring(self) -> HostRingPlan:
+        """The RAM ring NVMe blocks are read into (see :func:`host_ring_plan`)."""
+        return host_ring_plan(self.blocks, self.on_nvme, self.ahead, self.on_device)
+
+    @property
     def host_ring_slots(self) -> int:
-        """Pages of the RAM ring NVMe blocks are read into (0: nothing on NVMe)."""
-        nvme = self.on_nvme
-        return staging_slots(self.ahead, len(nvme), self.on_device) if nvme else 0
+        """General pages of the RAM ring NVMe blocks are read into (0: nothing on NVMe)."""
+        return self.host_ring.slots
 
     @property
     def host_ring_bytes(self) -> int:
-        return self.host_ring_slots * page_bytes(self.blocks, self.on_nvme)
+        return self.host_ring.nbytes
 
     def tier_bytes(self) -> dict[str, int]:
         """Bytes of each tier: ``device`` (resident blocks, buffers, the ring), ``ram`` (blocks
@@ -322,7 +432,10 @@ class WeightPlan:
                 + (f" and {own} of their own" if own else "") + f", {self.ring_bytes / mib:.2f} MiB at most"
             )  # fmt: skip
         if self.on_nvme:
-            out.append(f"RAM ring: {self.host_ring_slots} pages of {page_bytes(self.blocks, self.on_nvme) / mib:.2f} MiB")
+            hr = self.host_ring
+            mine = f" and {len(hr.own)} of their own ({sum(n for _, n in hr.own) / mib:.2f} MiB)" if hr.own else ""
+            rows = f"; {len(hr.rows)} looked up by rows (no page)" if hr.rows else ""
+            out.append(f"RAM ring: {hr.slots} pages of {hr.page / mib:.2f} MiB{mine}{rows}")
         tiers = self.tier_bytes()
         budgets = {"device": self.gpu_budget, "ram": self.host_budget}
         parts = []
@@ -332,6 +445,8 @@ class WeightPlan:
             cap = budgets.get(t)
             parts.append(f"{t} {tiers[t] / mib:.2f} MiB" + (f" of {cap / mib:.2f}" if cap is not None else ""))
         out.append("bytes per tier: " + ", ".join(parts) + (f" (buffers {self.buffer_bytes / mib:.2f} MiB)" if self.buffer_bytes else ""))
+        if self.experts is not None:
+            out.append(self.experts.line() + " (beside the tiers above)")
         return out
 
 
@@ -371,7 +486,8 @@ def make_plan(
     else:
         res = choose_resident(
             blocks, host_budget, prefetch, buffer_bytes, what="host_budget_gb",
-            ring=lambda s: staging_slots(prefetch, len(s), False) * page_bytes(blocks, s),
+            ring=lambda s: host_ring_plan(blocks, s, min(prefetch, len(s)), False).nbytes,
+            last=[b.index for b in blocks if b.by_rows],
         )  # fmt: skip
     streamed = [i for i in every if i not in res]
     ahead = min(prefetch, len(streamed))

@@ -9,7 +9,9 @@ and at exit; a CRC-32C per page, computed and checked on the store's pool, off t
 thread), each block a page starting on a 4096-byte boundary (``O_DIRECT``). Pages are read by
 the Rust I/O engine into a staging ring of ``prefetch + 2`` pinned slots, ahead of need; a slot
 is reused once the copy to the device that reads it has completed (without a device, once the
-block that ran from it has).
+block that ran from it has). Without a device the ring is ``prefetch + 1`` pages of the largest
+layer, a page of its own for each larger block (a head), and none for an embedding, whose rows
+are read instead (``plan.host_ring_plan``, ``rows.py``).
 
 Both are a :class:`Source`, the one interface the offload, the streamer and the loader call;
 :class:`Sources` holds the offload's (RAM, NVMe, or both: the blocks ``host_budget_gb`` keeps in
@@ -169,7 +171,8 @@ class NvmeWeights:
 
     def __init__(
         self, device: Device | None, arena: PinnedArena | None, nvme_dir: Any, blocks: list[Block], slots: int,
-        io: str | None = None,
+        io: str | None = None, *, page: int | None = None, own: dict[int, int] | None = None,
+        transient: frozenset[int] = frozenset(),
     ) -> None:  # fmt: skip
         self.device = device
         self.blocks = {b.index: b for b in blocks}
@@ -186,8 +189,10 @@ class NvmeWeights:
             raise
         self.path = self.file.path
         self.total = total
-        page = max((align_up(b.nbytes, ALIGN) for b in blocks), default=ALIGN)
-        self.ring = StagingRing(device, arena, slots, page)
+        if page is None:
+            page = max((align_up(b.nbytes, ALIGN) for b in blocks), default=ALIGN)
+        # (own: pages of their own, by block; transient: those freed once dropped, see pages.py)
+        self.ring = StagingRing(device, arena, slots, page, own, transient)
 
     @property
     def run(self) -> Any:

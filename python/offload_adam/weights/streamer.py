@@ -90,6 +90,7 @@ class Streamer:
         self.reading: dict[int, list[int]] = {}  # id(module) -> blocks activated for its reads, this pass
         self.in_cycle = False  # activations since the last cycle ended
         self.hosted: set[int] = set()  # blocks running on the CPU from their host bytes now
+        self.rows: Any = None  # embeddings looked up by their rows, no page read (rows.RowLookups)
         self.active: dict[int, int] = {}
         self.act_pos: dict[int, int] = {}
         self.started: dict[int, int] = {}  # recording: id(module) -> where its forward started in `seen`
@@ -133,7 +134,14 @@ class Streamer:
         while (due := cy.due(g, self.prefetch)) is not None:
             b, p, first, last = due
             if self.placer.predict(b) == "cpu":
-                cy.skip()  # it will run from its host bytes: read ahead below, not copied
+                # It will run from its host bytes: read ahead into the RAM ring, not copied. The
+                # cursor stays on it while no page is free (it moved past once, and the read-ahead
+                # below starts after the cursor: every third block was read on demand, its read
+                # not overlapped with the blocks before it, at prefetch 2).
+                blk = self.blocks[b]
+                if not self._by_rows(b) and not self.sources.of(blk).start(blk):
+                    break
+                cy.skip()
                 continue
             homes = self.loader.homes.get(b, ())
             if homes and not all(h.ready.is_set() for h in homes):
@@ -153,8 +161,12 @@ class Streamer:
             cy.skip()
         for b in cy.read_ahead(self.prefetch + 1):
             blk = self.blocks[b]
-            if b not in self.ring.loaded and not self.sources.of(blk).start(blk):
+            if b not in self.ring.loaded and not self._by_rows(b) and not self.sources.of(blk).start(blk):
                 break
+
+    def _by_rows(self, b: int) -> bool:
+        """Whether ``b`` is looked up by its rows now (no page of it read: ``rows.py``)."""
+        return self.rows is not None and bool(self.rows.takes(b))
 
     def _fault(self) -> None:
         """A load failed: nothing read ahead is trusted; the next cycle loads again, in the
@@ -174,12 +186,13 @@ class Streamer:
         for h in self.loader.homes.get(b, ()):
             h.ready.wait()
         if b not in self.active:
-            try:
-                host = self.sources.of(blk).host(blk)
-            except BaseException:
-                self._fault()
-                raise
-            self.loader.point_host(b, host)
+            if not self._by_rows(b):  # (rows looked up: the module's own hook reads them)
+                try:
+                    host = self.sources.of(blk).host(blk)
+                except BaseException:
+                    self._fault()
+                    raise
+                self.loader.point_host(b, host)
             self.hosted.add(b)
         self.active[b] = self.active.get(b, 0) + 1
         self.act_pos[b] = self.cycle.abs(pos)

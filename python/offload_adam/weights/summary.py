@@ -93,8 +93,10 @@ def experts(rep: dict[str, Any]) -> str:
                 f"; {ph}: {st['experts']} experts over {st['calls']} calls, RAM hits {st['hits']}, misses {st['misses']} "
                 f"({size(st['read_bytes'])} read)"
             )
-            if st["gpu_hits"] or st["copied"] or st["cpu_computed"]:
+            if st["gpu_hits"] or st["copied"] or st["cpu_computed"] or st.get("streamed"):
                 out += f", device hits {st['gpu_hits']}, copied {st['copied']}, on the CPU {st['cpu_computed']}"
+                if st.get("streamed"):
+                    out += f", streamed {st['streamed']}"
     return out
 
 

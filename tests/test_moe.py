@@ -25,6 +25,7 @@ from offload_adam.weights.expertstore import READ_AHEAD, _Slru
 
 from helpers import to_device, to_host
 from test_weights import nvme_dir  # noqa: F401 (a fixture)
+from test_weights import run  # (the logits of one forward and the tokens of a greedy generate)
 
 transformers = pytest.importorskip("transformers")
 
@@ -96,15 +97,6 @@ def model(arch: str, seed: int = 0) -> torch.nn.Module:
 def prompt(seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, VOCAB, (1, 8), generator=g)
-
-
-@torch.no_grad()
-def run(m: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The logits of one forward, and the tokens of a 24-token greedy generate."""
-    x = to_device(x)
-    logits = m(x).logits
-    tokens = m.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0)
-    return to_host(logits), to_host(tokens)
 
 
 @functools.cache

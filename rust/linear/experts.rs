@@ -53,9 +53,10 @@
 //!
 //! `tests.rs`'s `experts` tests and the Python tests hold every path to it.
 
-use rayon::prelude::*;
-
-use super::{block_len, column_blocks, Act, ActMut, Job, LinearPath, OutBlock, Shape, Weight};
+use super::{
+    block_len, check_supported, column_blocks, out_tasks, run_tasks, Act, ActMut, Job, LinearPath, OutBlock, Shape,
+    Weight,
+};
 use crate::elem::{bf16_to_f32, f32_to_bf16, Bf16};
 use crate::error::{Error, Result};
 use crate::isa::Simd;
@@ -286,20 +287,6 @@ fn job<'a>(rows: usize, x: Act<'a>, w: Weight<'a>, k: usize, n: usize) -> Job<'a
     }
 }
 
-fn run_tasks<T: Send>(pool: Option<&rayon::ThreadPool>, tasks: Vec<T>, f: impl Fn(T) + Sync + Send) {
-    let threads = pool.map_or(1, |p| p.current_num_threads());
-    match pool {
-        Some(p) if threads > 1 && tasks.len() > 1 => p.install(|| tasks.into_par_iter().for_each(f)),
-        _ => tasks.into_iter().for_each(f),
-    }
-}
-
-/// The output columns of every row one down task writes, in the output's dtype.
-enum OutCols<'a> {
-    F32(Vec<&'a mut [f32]>),
-    Bf16(Vec<&'a mut [Bf16]>),
-}
-
 pub(crate) fn run<P: LinearPath>(
     pool: Option<&rayon::ThreadPool>,
     shape: ExpertsShape,
@@ -350,7 +337,7 @@ pub(crate) fn run<P: LinearPath>(
             tasks.push((a, b * block, cols));
         }
     }
-    run_tasks(pool, tasks, |(a, c0, cols): (usize, usize, Vec<&mut [f32]>)| {
+    run_tasks(None, pool, tasks, |(a, c0, cols): (usize, usize, Vec<&mut [f32]>)| {
         let len = cols.first().map_or(0, |c| c.len());
         let mut gate = OutBlock::F32(cols);
         let mut up_buf = vec![0.0f32; gjobs[a].shape.rows * len];
@@ -386,22 +373,11 @@ pub(crate) fn run<P: LinearPath>(
     let dpreps: Vec<P::Prepared> = djobs.iter().map(P::prepare).collect();
     let down_bytes = experts.first().map_or(1, |e| bytes_per_weight(&e.down));
     let block = cols_per_task(hidden, threads, inter * down_bytes);
-    let tasks: Vec<(usize, OutCols<'_>)> = match out {
-        ActMut::F32(o) => column_blocks(o, rows, hidden, block)
-            .into_iter()
-            .enumerate()
-            .map(|(b, v)| (b * block, OutCols::F32(v)))
-            .collect(),
-        ActMut::Bf16(o) => column_blocks(o, rows, hidden, block)
-            .into_iter()
-            .enumerate()
-            .map(|(b, v)| (b * block, OutCols::Bf16(v)))
-            .collect(),
-    };
-    run_tasks(pool, tasks, |(c0, mut cols): (usize, OutCols<'_>)| {
+    let tasks = out_tasks(out, rows, hidden, block);
+    run_tasks(None, pool, tasks, |(c0, mut cols): (usize, OutBlock<'_>)| {
         let len = match &cols {
-            OutCols::F32(c) => c.first().map_or(0, |c| c.len()),
-            OutCols::Bf16(c) => c.first().map_or(0, |c| c.len()),
+            OutBlock::F32(c) => c.first().map_or(0, |c| c.len()),
+            OutBlock::Bf16(c) => c.first().map_or(0, |c| c.len()),
         };
         let ys: Vec<Vec<f32>> = djobs
             .iter()
@@ -426,8 +402,8 @@ pub(crate) fn run<P: LinearPath>(
                 }
             }
             match &mut cols {
-                OutCols::F32(c) => c[r].copy_from_slice(&acc),
-                OutCols::Bf16(c) => {
+                OutBlock::F32(c) => c[r].copy_from_slice(&acc),
+                OutBlock::Bf16(c) => {
                     for (o, s) in c[r].iter_mut().zip(&acc) {
                         *o = Bf16(f32_to_bf16(*s));
                     }
@@ -451,12 +427,7 @@ pub fn experts(
     out: ActMut<'_>,
 ) -> Result<()> {
     validate(shape, &x, experts, index, &weights, &out)?;
-    if !simd.supported() {
-        return Err(Error::Value(format!(
-            "SIMD path {} is not supported by this CPU",
-            simd.name()
-        )));
-    }
+    check_supported(simd)?;
     if shape.rows == 0 || shape.hidden == 0 {
         return Ok(());
     }

@@ -3,27 +3,10 @@
 //! calls on the same path; thread counts and batches give the same bits; bad input refused first.
 
 use super::experts::{experts, Activation, Expert, ExpertsShape};
+use super::test_util::{same_bits, Rng};
 use super::*;
 use crate::elem::{f32_to_f16, F16};
 use crate::isa::Simd;
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -53,17 +36,8 @@ struct Mat {
 
 fn mat(g: &mut Rng, n: usize, k: usize, amp: f32) -> Mat {
     let wb = (0..n * k).map(|_| Bf16(f32_to_bf16(g.f() * amp))).collect();
-    let q8 = (0..n * k).map(|_| ((g.next() % 255) as i32 - 127) as i8).collect();
-    let f8 = (0..n * k)
-        .map(|_| {
-            let c = (g.next() % 256) as u8;
-            if c & 0x7f == 0x7f {
-                c - 1
-            } else {
-                c
-            }
-        })
-        .collect();
+    let q8 = (0..n * k).map(|_| g.int8()).collect();
+    let f8 = (0..n * k).map(|_| g.fp8()).collect();
     let s32: Vec<f32> = (0..n).map(|_| (g.f().abs() + 0.01) * amp / 64.0).collect();
     let sb = s32.iter().map(|&s| Bf16(f32_to_bf16(s))).collect();
     let sh = s32.iter().map(|&s| F16(f32_to_f16(s))).collect();
@@ -120,7 +94,7 @@ struct Case {
 
 /// A random case: `rows` rows, `u` experts, `k` slots with duplicates and skips.
 fn case(rows: usize, hidden: usize, inter: usize, u: usize, k: usize, seed: u64) -> Case {
-    let mut g = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut g = Rng::seeded(seed);
     let x32: Vec<f32> = (0..rows * hidden).map(|_| g.f() * 2.0).collect();
     let xb = x32.iter().map(|&v| Bf16(f32_to_bf16(v))).collect();
     let gate_up = (0..u).map(|_| mat(&mut g, 2 * inter, hidden, 0.3)).collect();
@@ -192,9 +166,7 @@ impl Case {
         let pool = crate::pool::get(threads).unwrap();
         let ExpertsShape { rows, hidden, .. } = self.shape;
         let ex = self.experts(o);
-        if o.bf16_x {
-            let mut out = vec![Bf16(0x7fc0); rows * hidden];
-            let a = ActMut::Bf16(&mut out);
+        let call = |a: ActMut<'_>| {
             experts(
                 simd,
                 pool.as_deref(),
@@ -206,23 +178,15 @@ impl Case {
                 o.act,
                 a,
             )
-            .unwrap();
+            .unwrap()
+        };
+        if o.bf16_x {
+            let mut out = vec![Bf16(0x7fc0); rows * hidden];
+            call(ActMut::Bf16(&mut out));
             out.iter().map(|v| bf16_to_f32(v.0)).collect()
         } else {
             let mut out = vec![f32::NAN; rows * hidden];
-            let a = ActMut::F32(&mut out);
-            experts(
-                simd,
-                pool.as_deref(),
-                self.shape,
-                self.x(o),
-                &ex,
-                &self.index,
-                self.weights(o),
-                o.act,
-                a,
-            )
-            .unwrap();
+            call(ActMut::F32(&mut out));
             out
         }
     }
@@ -445,7 +409,7 @@ fn the_call_is_the_loop_of_linear_calls_on_the_same_path() {
                         scale: gate_up.scale().map_or(vec![1.0; 2 * inter], |s| s.per_row(2 * inter)),
                         bias: vec![0.0; 2 * inter],
                     };
-                    dispatch!(simd, run(None, &job, ActMut::F32(&mut gu)));
+                    dispatch!(simd, run(None, None, &job, ActMut::F32(&mut gu)));
                     let h: Vec<f32> = (0..inter).map(|i| o.act.apply(gu[i]) * gu[inter + i]).collect();
                     let mut y = vec![0.0f32; hidden];
                     linear(
@@ -492,11 +456,7 @@ fn results_depend_neither_on_threads_nor_on_the_batch() {
             let one = c.run(simd, 1, o);
             for threads in [2, 3, 5] {
                 let y = c.run(simd, threads, o);
-                assert!(
-                    one.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} {kind:?} {threads} threads",
-                    simd.name()
-                );
+                assert!(same_bits(&one, &y), "{} {kind:?} {threads} threads", simd.name());
             }
             // Row 4 alone.
             let r = 4;
@@ -527,9 +487,7 @@ fn results_depend_neither_on_threads_nor_on_the_batch() {
             )
             .unwrap();
             assert!(
-                out.iter()
-                    .zip(&one[r * hidden..])
-                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                same_bits(&out, &one[r * hidden..]),
                 "{} {kind:?}: row {r} alone",
                 simd.name()
             );

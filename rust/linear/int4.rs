@@ -33,9 +33,7 @@
 //! across groups and once for the bias. (`vdpbf16ps` flushes subnormal inputs to zero, as the
 //! bfloat16 weights' path of the kernel does.)
 
-use rayon::prelude::*;
-
-use super::{column_blocks, error_bound, Act, ActMut, OutBlock, Scale, Shape};
+use super::{check_supported, error_bound, out_tasks, run_tasks, task_threads, Act, ActMut, OutBlock, Scale, Shape};
 use crate::elem::{bf16_to_f32, f16_to_f32};
 use crate::error::{Error, Result};
 use crate::isa::Simd;
@@ -538,40 +536,24 @@ fn linear_int4_on(
     out: ActMut<'_>,
 ) -> Result<()> {
     validate(shape, &x, &w, bias.as_ref(), &out)?;
-    if !simd.supported() {
-        return Err(Error::Value(format!(
-            "SIMD path {} is not supported by this CPU",
-            simd.name()
-        )));
-    }
+    check_supported(simd)?;
     let Shape { rows, n, .. } = shape;
     if rows == 0 || n == 0 {
         return Ok(());
     }
     let job = Job::new(shape, x, w, bias, simd);
-    let threads = omp.unwrap_or_else(|| pool.map_or(1, |p| p.current_num_threads()));
+    let threads = task_threads(omp, pool);
     // Tasks of whole blocks (64 outputs: a multiple of every layout's block), about four per
     // thread.
     let block = n.div_ceil(threads.max(1) * 4).div_ceil(64).max(1) * 64;
-    let tasks: Vec<(usize, OutBlock<'_>)> = match out {
-        ActMut::F32(o) => column_blocks(o, rows, n, block)
-            .into_iter()
-            .enumerate()
-            .map(|(b, v)| (b * block, OutBlock::F32(v)))
-            .collect(),
-        ActMut::Bf16(o) => column_blocks(o, rows, n, block)
-            .into_iter()
-            .enumerate()
-            .map(|(b, v)| (b * block, OutBlock::Bf16(v)))
-            .collect(),
-    };
+    let tasks = out_tasks(out, rows, n, block);
     #[cfg(target_arch = "x86_64")]
     let dot = matches!(simd, Simd::Avx512Bf16Vbmi) && dot::applies(&job);
     let f = |(o0, mut ob): (usize, OutBlock<'_>)| {
         let ob = &mut ob;
         match simd {
             Simd::Scalar => reference(&job, o0, ob),
-            // SAFETY (each arm): `simd.supported()` checked the path's features above; `dot`
+            // SAFETY (each arm): `check_supported(simd)` checked the path's features above; `dot`
             // checked `applies`; tasks start at multiples of 64.
             #[cfg(target_arch = "x86_64")]
             _ if dot => unsafe { dot::block(&job, o0, ob) },
@@ -585,24 +567,7 @@ fn linear_int4_on(
             _ => grouped(&job, o0, ob),
         }
     };
-    if omp.is_some() {
-        let n = tasks.len();
-        let slots: Vec<std::sync::Mutex<Option<(usize, OutBlock<'_>)>>> =
-            tasks.into_iter().map(|t| std::sync::Mutex::new(Some(t))).collect();
-        let g = |i: usize| {
-            if let Some(t) = slots[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
-                f(t)
-            }
-        };
-        if !(threads > 1 && n > 1 && crate::omp::run(threads, n, &g)) {
-            (0..n).for_each(g);
-        }
-        return Ok(());
-    }
-    match pool {
-        Some(p) if threads > 1 && tasks.len() > 1 => p.install(|| tasks.into_par_iter().for_each(f)),
-        _ => tasks.into_iter().for_each(f),
-    }
+    run_tasks(omp, pool, tasks, f);
     Ok(())
 }
 

@@ -86,6 +86,8 @@ mod vector;
 #[cfg(test)]
 mod experts_tests;
 #[cfg(test)]
+mod test_util;
+#[cfg(test)]
 mod tests;
 
 /// Rows of activations (row-major `[rows, in]`), or a bias (`[out]`).
@@ -366,12 +368,22 @@ fn block_len(n: usize, threads: usize) -> usize {
     per.div_ceil(16).max(1) * 16
 }
 
-fn run<P: LinearPath>(pool: Option<&rayon::ThreadPool>, job: &Job<'_>, out: ActMut<'_>) {
-    let Shape { rows, n, .. } = job.shape;
-    let threads = pool.map_or(1, |p| p.current_num_threads());
-    let block = block_len(n, threads);
-    let prep = P::prepare(job);
-    let tasks: Vec<(usize, OutBlock<'_>)> = match out {
+/// Checks that this CPU runs `simd`'s path (the error of every entry point of this module).
+pub(crate) fn check_supported(simd: Simd) -> Result<()> {
+    if simd.supported() {
+        Ok(())
+    } else {
+        Err(Error::Value(format!(
+            "SIMD path {} is not supported by this CPU",
+            simd.name()
+        )))
+    }
+}
+
+/// `out` (`[rows, n]`) cut into tasks of `block` columns ([`column_blocks`]): each the first
+/// column of its block and the block of every row, in the output's dtype.
+pub(crate) fn out_tasks(out: ActMut<'_>, rows: usize, n: usize, block: usize) -> Vec<(usize, OutBlock<'_>)> {
+    match out {
         ActMut::F32(o) => column_blocks(o, rows, n, block)
             .into_iter()
             .enumerate()
@@ -382,14 +394,56 @@ fn run<P: LinearPath>(pool: Option<&rayon::ThreadPool>, job: &Job<'_>, out: ActM
             .enumerate()
             .map(|(b, v)| (b * block, OutBlock::Bf16(v)))
             .collect(),
-    };
-    // SAFETY (both calls): `linear` dispatched to `P` after checking that this CPU runs it, and
-    // validated the buffers against the shape.
-    let f = |(o0, mut ob): (usize, OutBlock<'_>)| unsafe { P::block(job, &prep, o0, &mut ob) };
+    }
+}
+
+/// Runs `f` once on every task: on the process's OpenMP team of `omp` threads (`crate::omp`)
+/// where `omp` is given, else on `pool`; on the calling thread where there is one task, one
+/// thread, or the team is not there (or busy: the call is inside a parallel region). The tasks
+/// and so the bits are the same wherever they run.
+pub(crate) fn run_tasks<T: Send>(
+    omp: Option<usize>,
+    pool: Option<&rayon::ThreadPool>,
+    tasks: Vec<T>,
+    f: impl Fn(T) + Sync + Send,
+) {
+    let n = tasks.len();
+    if let Some(threads) = omp {
+        // `crate::omp::run` calls by index: each task is taken once from its slot.
+        let slots: Vec<std::sync::Mutex<Option<T>>> =
+            tasks.into_iter().map(|t| std::sync::Mutex::new(Some(t))).collect();
+        let g = |i: usize| {
+            if let Some(t) = slots[i].lock().unwrap_or_else(|e| e.into_inner()).take() {
+                f(t)
+            }
+        };
+        if !(threads > 1 && n > 1 && crate::omp::run(threads, n, &g)) {
+            (0..n).for_each(g);
+        }
+        return;
+    }
+    let threads = pool.map_or(1, |p| p.current_num_threads());
     match pool {
-        Some(p) if threads > 1 && tasks.len() > 1 => p.install(|| tasks.into_par_iter().for_each(f)),
+        Some(p) if threads > 1 && n > 1 => p.install(|| tasks.into_par_iter().for_each(f)),
         _ => tasks.into_iter().for_each(f),
     }
+}
+
+/// The threads a call's tasks are cut for: the OpenMP team's where it runs there, else the pool's.
+pub(crate) fn task_threads(omp: Option<usize>, pool: Option<&rayon::ThreadPool>) -> usize {
+    omp.unwrap_or_else(|| pool.map_or(1, |p| p.current_num_threads()))
+}
+
+fn run<P: LinearPath>(omp: Option<usize>, pool: Option<&rayon::ThreadPool>, job: &Job<'_>, out: ActMut<'_>) {
+    let Shape { rows, n, .. } = job.shape;
+    let block = block_len(n, task_threads(omp, pool));
+    let prep = P::prepare(job);
+    let tasks = out_tasks(out, rows, n, block);
+    // SAFETY: `linear_on` dispatched to `P` after checking that this CPU runs it, and validated
+    // the buffers against the shape.
+    run_tasks(omp, pool, tasks, |(o0, mut ob): (usize, OutBlock<'_>)| unsafe {
+        P::block(job, &prep, o0, &mut ob)
+    });
 }
 
 /// `out = x @ W.T * scale + bias` (see the module's documentation) on `simd`'s path, on `pool`
@@ -403,57 +457,7 @@ pub fn linear(
     bias: Option<Act<'_>>,
     out: ActMut<'_>,
 ) -> Result<()> {
-    validate(shape, &x, &w, bias.as_ref(), &out)?;
-    if !simd.supported() {
-        return Err(Error::Value(format!(
-            "SIMD path {} is not supported by this CPU",
-            simd.name()
-        )));
-    }
-    let job = Job {
-        shape,
-        x,
-        w,
-        scale: w.scale().map_or_else(|| vec![1.0; shape.n], |s| s.per_row(shape.n)),
-        bias: bias.map_or_else(|| vec![0.0; shape.n], Act::to_f32),
-    };
-    if shape.rows == 0 || shape.n == 0 {
-        return Ok(());
-    }
-    dispatch!(simd, run(pool, &job, out));
-    Ok(())
-}
-
-/// [`run`]'s tasks on the process's OpenMP team of `threads` (torch's: `crate::omp`); the same
-/// split into tasks and so the same bits. The caller checked `crate::omp::usable()`.
-fn run_omp<P: LinearPath>(threads: usize, job: &Job<'_>, out: ActMut<'_>) {
-    let Shape { rows, n, .. } = job.shape;
-    let block = block_len(n, threads);
-    let prep = P::prepare(job);
-    let tasks: Vec<std::sync::Mutex<Option<(usize, OutBlock<'_>)>>> = match out {
-        ActMut::F32(o) => column_blocks(o, rows, n, block)
-            .into_iter()
-            .enumerate()
-            .map(|(b, v)| std::sync::Mutex::new(Some((b * block, OutBlock::F32(v)))))
-            .collect(),
-        ActMut::Bf16(o) => column_blocks(o, rows, n, block)
-            .into_iter()
-            .enumerate()
-            .map(|(b, v)| std::sync::Mutex::new(Some((b * block, OutBlock::Bf16(v)))))
-            .collect(),
-    };
-    let f = |i: usize| {
-        let task = tasks[i].lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some((o0, mut ob)) = task {
-            // SAFETY: as in `run`: `linear_omp` dispatched to `P` after checking that this CPU
-            // runs it, and validated the buffers against the shape.
-            unsafe { P::block(job, &prep, o0, &mut ob) }
-        }
-    };
-    let ran = threads > 1 && tasks.len() > 1 && crate::omp::run(threads, tasks.len(), &f);
-    if !ran {
-        (0..tasks.len()).for_each(f);
-    }
+    linear_on(simd, None, pool, shape, x, w, bias, out)
 }
 
 /// As [`linear`], its blocks run on the process's OpenMP team of `threads` (torch's intra-op
@@ -470,16 +474,24 @@ pub fn linear_omp(
     bias: Option<Act<'_>>,
     out: ActMut<'_>,
 ) -> Result<()> {
-    if !crate::omp::usable() {
-        return linear(simd, pool, shape, x, w, bias, out);
-    }
+    let omp = crate::omp::usable().then_some(threads);
+    linear_on(simd, omp, pool, shape, x, w, bias, out)
+}
+
+/// [`linear`] (`omp` None) and [`linear_omp`] (`omp`: the team's threads, where it is usable).
+#[allow(clippy::too_many_arguments)]
+fn linear_on(
+    simd: Simd,
+    omp: Option<usize>,
+    pool: Option<&rayon::ThreadPool>,
+    shape: Shape,
+    x: Act<'_>,
+    w: Weight<'_>,
+    bias: Option<Act<'_>>,
+    out: ActMut<'_>,
+) -> Result<()> {
     validate(shape, &x, &w, bias.as_ref(), &out)?;
-    if !simd.supported() {
-        return Err(Error::Value(format!(
-            "SIMD path {} is not supported by this CPU",
-            simd.name()
-        )));
-    }
+    check_supported(simd)?;
     let job = Job {
         shape,
         x,
@@ -490,15 +502,6 @@ pub fn linear_omp(
     if shape.rows == 0 || shape.n == 0 {
         return Ok(());
     }
-    match simd {
-        Simd::Scalar => run_omp::<reference::Scalar>(threads, &job, out),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx2 => run_omp::<tile::Avx2Path>(threads, &job, out),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512 | Simd::Avx512Vbmi => run_omp::<tile::Avx512Path>(threads, &job, out),
-        #[cfg(target_arch = "x86_64")]
-        Simd::Avx512Bf16 | Simd::Avx512Bf16Vbmi => run_omp::<tile::Avx512Bf16Path>(threads, &job, out),
-        _ => run_omp::<tile::PortablePath>(threads, &job, out),
-    }
+    dispatch!(simd, run(omp, pool, &job, out));
     Ok(())
 }

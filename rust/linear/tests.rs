@@ -1,25 +1,10 @@
 //! Every path of this CPU (and the portable lanes, which the NEON path is) against a float64
 //! reference, within [`error_bound`]; thread counts give the same bits.
 
+use super::test_util::{same_bits, Rng};
 use super::*;
 use crate::elem::f32_to_f16;
 use crate::isa::Simd;
-
-/// A small deterministic generator (xorshift).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kind {
@@ -40,24 +25,12 @@ struct Case {
 }
 
 fn case(rows: usize, k: usize, n: usize, seed: u64) -> Case {
-    let mut g = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut g = Rng::seeded(seed);
     let x32: Vec<f32> = (0..rows * k).map(|_| g.f() * 4.0).collect();
     let xb = x32.iter().map(|&v| Bf16(f32_to_bf16(v))).collect();
     let wb = (0..n * k).map(|_| Bf16(f32_to_bf16(g.f() * 0.1))).collect();
-    let q8 = (0..n * k)
-        .map(|_| ((g.next() % 255) as i32 - 127) as i8)
-        .collect::<Vec<i8>>();
-    // Every fp8 code but the NaNs (0x7f, 0xff), subnormals and zeros included.
-    let f8 = (0..n * k)
-        .map(|_| {
-            let c = (g.next() % 256) as u8;
-            if c & 0x7f == 0x7f {
-                c - 1
-            } else {
-                c
-            }
-        })
-        .collect();
+    let q8 = (0..n * k).map(|_| g.int8()).collect::<Vec<i8>>();
+    let f8 = (0..n * k).map(|_| g.fp8()).collect();
     let scale = (0..n).map(|_| (g.f().abs() + 0.01) * 0.02).collect();
     let bias = (0..n).map(|_| g.f()).collect();
     Case {
@@ -211,7 +184,7 @@ fn the_portable_lanes_are_within_the_bound() {
                     scale: c.weight(kind).scale().map_or(vec![1.0; n], |s| s.per_row(n)),
                     bias: c.bias.clone(),
                 };
-                run::<tile::PortablePath>(pool.as_deref(), &job, out);
+                run::<tile::PortablePath>(None, pool.as_deref(), &job, out);
                 let y: Vec<f32> = if bf16_x {
                     ob.iter().map(|v| bf16_to_f32(v.0)).collect()
                 } else {
@@ -231,11 +204,7 @@ fn results_do_not_depend_on_the_thread_count() {
             let one = c.run(simd, 1, kind, false, true);
             for threads in [2, 3, 5] {
                 let y = c.run(simd, threads, kind, false, true);
-                assert!(
-                    one.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} {kind:?} {threads} threads",
-                    simd.name()
-                );
+                assert!(same_bits(&one, &y), "{} {kind:?} {threads} threads", simd.name());
             }
         }
     }
@@ -418,6 +387,6 @@ fn linear_omp_is_linear_bit_for_bit() {
             ActMut::F32(&mut b),
         )
         .unwrap();
-        assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "{kind:?}");
+        assert!(same_bits(&a, &b), "{kind:?}");
     }
 }

@@ -4,9 +4,10 @@
 use pyo3::prelude::*;
 
 use super::convert::{err, pool, simd_or_default, type_error, value_error};
-use super::dlpack::{Elems, ElemsMut, HostView, HostViewMut};
+use super::dlpack::{Elems, HostView, HostViewMut};
+use super::linear::act_mut;
 use crate::linear::experts::{self as core, Activation, Expert, ExpertsShape};
-use crate::linear::{Act, ActMut, Scale, Weight};
+use crate::linear::{Act, Scale, Weight};
 
 fn act_of<'a>(v: &HostView<'a, '_>, name: &str) -> PyResult<Act<'a>> {
     match v.elems() {
@@ -245,10 +246,7 @@ pub fn experts<'py>(
             ov.shape()
         )));
     }
-    let o = match ov.elems_mut() {
-        ElemsMut::F32(o) => ActMut::F32(o),
-        ElemsMut::Bf16(o) => ActMut::Bf16(o),
-    };
+    let o = act_mut(&mut ov);
     let shape = ExpertsShape { rows, hidden, inter, k };
     py.detach(|| core::experts(simd, pool.as_deref(), shape, xa, &list, &local, wa, activation, o))
         .map_err(err)

@@ -15,6 +15,32 @@ fn act<'a>(v: &HostView<'a, '_>, name: &str) -> PyResult<Act<'a>> {
     }
 }
 
+/// `out` of a call that reads `reads`: `(rows, n)`, float32 or bfloat16, sharing no memory with
+/// them (both bindings' check, before anything is written).
+fn out_view<'a, 'py>(
+    out: &'a Bound<'py, PyAny>,
+    reads: &[&HostView<'_, '_>],
+    rows: usize,
+    n: usize,
+) -> PyResult<HostViewMut<'a, 'py>> {
+    let ov = HostViewMut::new(HostView::new(out, "out")?, reads, "out")?;
+    if ov.shape() != [rows, n] {
+        return Err(value_error(format!(
+            "out: shape must be ({rows}, {n}), got {:?}",
+            ov.shape()
+        )));
+    }
+    Ok(ov)
+}
+
+/// The output's elements as the kernel writes them (`HostViewMut` holds float32 or bfloat16).
+pub(super) fn act_mut<'v>(ov: &'v mut HostViewMut<'_, '_>) -> ActMut<'v> {
+    match ov.elems_mut() {
+        ElemsMut::F32(o) => ActMut::F32(o),
+        ElemsMut::Bf16(o) => ActMut::Bf16(o),
+    }
+}
+
 /// `out = x @ weight.T * scale + bias` for `x` of shape `(rows, in)` (float32 or bfloat16) and
 /// `weight` of shape `(out, in)`: bfloat16 (no `scale`), or int8 / float8_e4m3fn with `scale`
 /// (float32, bfloat16 or float16; one per output row, any shape of that many elements, or one
@@ -88,17 +114,8 @@ pub fn linear(
     let mut reads = vec![&xv, &wv];
     reads.extend(sv.as_ref());
     reads.extend(bv.as_ref());
-    let mut ov = HostViewMut::new(HostView::new(out, "out")?, &reads, "out")?;
-    if ov.shape() != [rows, n] {
-        return Err(value_error(format!(
-            "out: shape must be ({rows}, {n}), got {:?}",
-            ov.shape()
-        )));
-    }
-    let o = match ov.elems_mut() {
-        ElemsMut::F32(o) => ActMut::F32(o),
-        ElemsMut::Bf16(o) => ActMut::Bf16(o),
-    };
+    let mut ov = out_view(out, &reads, rows, n)?;
+    let o = act_mut(&mut ov);
     let shape = Shape { rows, k, n };
     if omp {
         return py
@@ -182,17 +199,8 @@ pub fn linear_int4(
     let ba = bv.as_ref().map(|b| act(b, "bias")).transpose()?;
     let mut reads = vec![&xv, &qv, &sv];
     reads.extend(bv.as_ref());
-    let mut ov = HostViewMut::new(HostView::new(out, "out")?, &reads, "out")?;
-    if ov.shape() != [rows, n] {
-        return Err(value_error(format!(
-            "out: shape must be ({rows}, {n}), got {:?}",
-            ov.shape()
-        )));
-    }
-    let o = match ov.elems_mut() {
-        ElemsMut::F32(o) => ActMut::F32(o),
-        ElemsMut::Bf16(o) => ActMut::Bf16(o),
-    };
+    let mut ov = out_view(out, &reads, rows, n)?;
+    let o = act_mut(&mut ov);
     let shape = Shape { rows, k, n };
     if omp {
         return py

@@ -226,6 +226,20 @@ def _torch_decoder(model: torch.nn.Module, prompt: torch.Tensor, tokens: int) ->
     return run
 
 
+def gguf_placeholder_vocab(w: Any, vocab: int) -> None:
+    """A placeholder vocabulary of ``vocab`` tokens (``<t0>``, ``<t1>``, ...; BOS 1, EOS 2) in the
+    GGUF being written by ``w`` (a ``gguf.GGUFWriter``): the benches decode token ids, never text
+    (this one's and moe_bench's)."""
+    import gguf  # type: ignore[import-untyped]
+
+    w.add_tokenizer_model("llama")
+    w.add_token_list([f"<t{i}>".encode() for i in range(vocab)])
+    w.add_token_scores([0.0] * vocab)
+    w.add_token_types([gguf.TokenType.NORMAL] * vocab)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+
+
 def _write_gguf(model: Any, path: str, qtype: str) -> None:
     """The model's weights as a llama.cpp GGUF (architecture llama), bf16, Q8_0 or Q4_0 matrices
     (quantized by the ``gguf`` package), float32 norms; a placeholder vocabulary."""
@@ -246,12 +260,7 @@ def _write_gguf(model: Any, path: str, qtype: str) -> None:
     w.add_vocab_size(cfg.vocab_size)
     ftypes = {"q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
     w.add_file_type(ftypes.get(qtype, gguf.LlamaFileType.MOSTLY_BF16))
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>".encode() for i in range(cfg.vocab_size)])
-    w.add_token_scores([0.0] * cfg.vocab_size)
-    w.add_token_types([gguf.TokenType.NORMAL] * cfg.vocab_size)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    gguf_placeholder_vocab(w, cfg.vocab_size)
 
     def mat(name: str, t: torch.Tensor) -> None:
         t = t.detach().contiguous()
@@ -329,26 +338,24 @@ def model_decode(
 
     if "bf16" in kinds:
         runs["ours bf16"] = ours(bf16)
+    def quantized(kind: str, config: Any, eager_tokens: int | None = None, on_team: bool = False) -> None:
+        """The model quantized by torchao's ``config``: ours on it; torchao's eager decode of
+        ``eager_tokens`` (where given and asked for); ours on torch's OpenMP team (``on_team``,
+        where the process has one)."""
+        m = _model(layers)
+        quantize_(m, config)
+        if torchao_eager and eager_tokens is not None:
+            runs[f"torchao {kind} weight-only (eager)"] = _torch_decoder(m, prompt, eager_tokens)
+        runs[f"ours {kind}"] = ours(m)
+        if on_team and team:
+            runs[f"ours {kind} (torch's OpenMP team)"] = ours(m, omp=True)
+
     if "int8" in kinds:
-        i8 = _model(layers)
-        quantize_(i8, Int8WeightOnlyConfig())
-        if torchao_eager:
-            runs["torchao int8 weight-only (eager)"] = _torch_decoder(i8, prompt, max(2, tokens // 8))
-        runs["ours int8"] = ours(i8)
-        if team:
-            runs["ours int8 (torch's OpenMP team)"] = ours(i8, omp=True)
+        quantized("int8", Int8WeightOnlyConfig(), max(2, tokens // 8), on_team=True)
     if "fp8" in kinds:
-        f8 = _model(layers)
-        quantize_(f8, Float8WeightOnlyConfig())
-        runs["ours fp8"] = ours(f8)
+        quantized("fp8", Float8WeightOnlyConfig())
     if "int4" in kinds:
-        i4 = _model(layers)
-        quantize_(i4, _int4_config())
-        if torchao_eager:
-            runs["torchao int4 weight-only (eager)"] = _torch_decoder(i4, prompt, max(2, tokens // 4))
-        runs["ours int4"] = ours(i4)
-        if team:
-            runs["ours int4 (torch's OpenMP team)"] = ours(i4, omp=True)
+        quantized("int4", _int4_config(), max(2, tokens // 4), on_team=True)
     notes: list[str] = []
     tmp = None
     try:

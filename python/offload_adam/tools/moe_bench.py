@@ -203,6 +203,8 @@ def write_gguf(ckpt: str, shape: Shape, path: str, qtype: str) -> str:
     import numpy as np
     from safetensors import safe_open
 
+    from .linear_bench import gguf_placeholder_vocab
+
     if qtype not in ("bf16", "q8_0"):
         raise ValueError(f"qtype: 'bf16' or 'q8_0', got {qtype!r}")
     if os.path.exists(path):
@@ -226,12 +228,7 @@ def write_gguf(ckpt: str, shape: Shape, path: str, qtype: str) -> str:
     w.add_expert_used_count(shape.top_k)
     w.add_vocab_size(shape.vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == "q8_0" else gguf.LlamaFileType.MOSTLY_BF16)
-    w.add_tokenizer_model("llama")
-    w.add_token_list([f"<t{i}>".encode() for i in range(shape.vocab)])
-    w.add_token_scores([0.0] * shape.vocab)
-    w.add_token_types([gguf.TokenType.NORMAL] * shape.vocab)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    gguf_placeholder_vocab(w, shape.vocab)
     specs = _gguf_tensors(shape)
     raw = T.Q8_0 if qtype == "q8_0" else T.BF16
 

@@ -56,7 +56,7 @@ from .costs import CostModel
 from .expertgrad import builds_graph, check_unwrapped, train_forward
 from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, _Slru, expert_param
 from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
-from .placement import call_shape
+from .placement import call_shape, to_device, to_host
 
 NAME = "offload_adam"  # the name of the offload's function in transformers' ExpertsInterface
 ATTR = "_offload_adam_experts"  # an experts module's runner, while offloaded
@@ -424,18 +424,10 @@ class Experts:
     # -- moves ----------------------------------------------------------------------------------
 
     def _to_host(self, t: Tensor) -> Tensor:
-        dev = self.device
-        out = torch.empty(t.shape, dtype=t.dtype)
-        dev.stream_waits(dev.d2h, dev.record_current())  # after the compute that made it
-        dev.copy_blocking([(out, t)], dev.d2h)
-        return out
+        return to_host(self.device, t)
 
     def _to_device(self, t: Tensor) -> Tensor:
-        dev = self.device
-        out = dev.empty(t.numel(), t.dtype).view(t.shape)
-        dev.stream_waits(dev.h2d_now, dev.record_current())  # after the allocation (memory reused at once)
-        dev.copy_blocking([(out, t)], dev.h2d_now)
-        return out
+        return to_device(self.device, t)
 
 
 def _run_group(lay: ExpertsLayout, group: list[tuple[int, Tensor]], x: Tensor, index: Tensor, weights: Tensor, out: Tensor, threads: int) -> None:

@@ -90,6 +90,24 @@ def _(x: Tensor, weight: Tensor, scale: Tensor | None, bias: Tensor | None, num_
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+def _threads(x: Tensor, num_threads: int | None) -> int:
+    """``linear``'s and ``linear_int4``'s checks of ``x`` and ``num_threads``: the threads to run on
+    (default ``torch.get_num_threads()``)."""
+    if x.dim() < 1:
+        raise ValueError("x: must have at least one dimension")
+    threads = torch.get_num_threads() if num_threads is None else num_threads
+    if threads < 1:
+        raise ValueError(f"num_threads: must be at least 1, got {threads}")
+    return threads
+
+
+def _eager(x: Tensor) -> bool:
+    """Eager: the op's own implementation is called, without the dispatcher's round trip (about
+    30 us a call, measured here; a token calls it for every Linear); traced code (compile, export,
+    fake tensors) sees the op."""
+    return type(x) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling()
+
+
 def linear(
     x: Tensor,
     weight: Tensor,
@@ -108,15 +126,8 @@ def linear(
         raise TypeError(f"weight: dtype must be bfloat16, int8 or float8_e4m3fn, got {weight.dtype}")
     if kind is not None and kind != got:
         raise ValueError(f"kind: {kind!r} does not match weight's dtype {weight.dtype} ({got!r})")
-    if x.dim() < 1:
-        raise ValueError("x: must have at least one dimension")
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    if threads < 1:
-        raise ValueError(f"num_threads: must be at least 1, got {threads}")
-    if type(x) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling():
-        # Eager: the op's own implementation, without the dispatcher's round trip (about 30 us
-        # a call, measured here; a token calls it for every Linear); traced code (compile, export,
-        # fake tensors) sees the op.
+    threads = _threads(x, num_threads)
+    if _eager(x):
         return _linear_rows(x, weight, scale, bias, threads)
     out: Tensor = torch.ops.offload_adam.linear_rows(x, weight, scale, bias, threads)
     return out
@@ -179,12 +190,8 @@ def linear_int4(
     layout = int4_layout()
     if layout is None:
         raise ValueError(f"qdata: torch's CPU capability {torch.backends.cpu.get_cpu_capability()} packs int4 in a layout the kernel does not read")
-    if x.dim() < 1:
-        raise ValueError("x: must have at least one dimension")
-    threads = torch.get_num_threads() if num_threads is None else num_threads
-    if threads < 1:
-        raise ValueError(f"num_threads: must be at least 1, got {threads}")
-    if type(x) in (Tensor, torch.nn.Parameter) and not torch.compiler.is_compiling():
+    threads = _threads(x, num_threads)
+    if _eager(x):
         return _linear_int4_rows(x, qdata, scale_and_zero, bias, group_size, layout, threads)
     out: Tensor = torch.ops.offload_adam.linear_int4_rows(x, qdata, scale_and_zero, bias, group_size, layout, threads)
     return out

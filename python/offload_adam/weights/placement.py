@@ -48,6 +48,24 @@ def _first_tensor(args: Any) -> Tensor | None:
     return None
 
 
+def to_host(dev: Device, t: Tensor) -> Tensor:
+    """A host copy of the device tensor ``t`` for a call computed on the host, made now: the d2h
+    stream waits for the compute that made ``t`` (placement's and the routed experts' crossings)."""
+    out = torch.empty(t.shape, dtype=t.dtype)
+    dev.stream_waits(dev.d2h, dev.record_current())  # after the compute that made it
+    dev.copy_blocking([(out, t)], dev.d2h)
+    return out
+
+
+def to_device(dev: Device, t: Tensor) -> Tensor:
+    """A device copy of the host result ``t``, made now on ``h2d_now``: it waits for the allocation,
+    whose memory the caching allocator may hand out again at once."""
+    out = dev.empty(t.numel(), t.dtype).view(t.shape)
+    dev.stream_waits(dev.h2d_now, dev.record_current())  # after the allocation (memory reused at once)
+    dev.copy_blocking([(out, t)], dev.h2d_now)
+    return out
+
+
 def call_shape(args: Any, kwargs: dict[str, Any] | None = None) -> tuple[int, int]:
     """(rows, rows per sequence) of a block call: its hidden states' rows, and the length of the
     sequence axis (1: a decode step). The hidden states are the first positional tensor, else the
@@ -232,18 +250,10 @@ class HostCalls:
     # -- moves ----------------------------------------------------------------------------------
 
     def _to_host(self, t: Tensor) -> Tensor:
-        dev = self.device
-        out = torch.empty(t.shape, dtype=t.dtype)
-        dev.stream_waits(dev.d2h, dev.record_current())  # after the compute that made it
-        dev.copy_blocking([(out, t)], dev.d2h)
-        return out
+        return to_host(self.device, t)
 
     def _to_device(self, t: Tensor) -> Tensor:
-        dev = self.device
-        out = dev.empty(t.numel(), t.dtype).view(t.shape)
-        dev.stream_waits(dev.h2d_now, dev.record_current())  # after the allocation (memory reused at once)
-        dev.copy_blocking([(out, t)], dev.h2d_now)
-        return out
+        return to_device(self.device, t)
 
     def _crossed(self, t: Tensor) -> Tensor:
         """``t``'s host copy: the one made for an earlier call if ``t`` has not changed since."""

@@ -3,20 +3,7 @@
 
 use super::*;
 use crate::elem::{bf16_to_f32, f32_to_bf16, f32_to_f16, Bf16, F16};
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
+use crate::linear::test_util::{same_bits, Rng};
 
 /// torch's `_convert_weight_to_int4pack_for_cpu` of codes `q [n, k]` (0..16), written from its
 /// description: blocks of `block_n` outputs, each `[k, nb / 2]` bytes; see the module's docs.
@@ -66,7 +53,7 @@ struct Case {
 }
 
 fn case(rows: usize, k: usize, n: usize, group: usize, seed: u64) -> Case {
-    let mut g = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+    let mut g = Rng::seeded(seed);
     let x32: Vec<f32> = (0..rows * k).map(|_| g.f() * 4.0).collect();
     let xb = x32.iter().map(|&v| Bf16(f32_to_bf16(v))).collect();
     let codes = (0..n * k).map(|_| (g.next() % 16) as u8).collect();
@@ -138,31 +125,14 @@ impl Case {
         };
         let pool = crate::pool::get(threads).unwrap();
         let b = bias.then_some(Act::F32(&self.bias[..]));
+        let call = |x: Act<'_>, out: ActMut<'_>| linear_int4(simd, pool.as_deref(), self.shape, x, w, b, out).unwrap();
         if bf16_x {
             let mut out = vec![Bf16(0); rows * n];
-            linear_int4(
-                simd,
-                pool.as_deref(),
-                self.shape,
-                Act::Bf16(&self.xb),
-                w,
-                b,
-                ActMut::Bf16(&mut out),
-            )
-            .unwrap();
+            call(Act::Bf16(&self.xb), ActMut::Bf16(&mut out));
             out.iter().map(|v| bf16_to_f32(v.0)).collect()
         } else {
             let mut out = vec![0.0f32; rows * n];
-            linear_int4(
-                simd,
-                pool.as_deref(),
-                self.shape,
-                Act::F32(&self.x32),
-                w,
-                b,
-                ActMut::F32(&mut out),
-            )
-            .unwrap();
+            call(Act::F32(&self.x32), ActMut::F32(&mut out));
             out
         }
     }
@@ -281,11 +251,7 @@ fn results_do_not_depend_on_the_thread_count() {
             let one = c.run(simd, 1, Int4Layout::Avx512, SzType::Bf16, bf16_x, true);
             for threads in [2, 3, 5] {
                 let y = c.run(simd, threads, Int4Layout::Avx512, SzType::Bf16, bf16_x, true);
-                assert!(
-                    one.iter().zip(&y).all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "{} {threads} threads",
-                    simd.name()
-                );
+                assert!(same_bits(&one, &y), "{} {threads} threads", simd.name());
             }
         }
     }

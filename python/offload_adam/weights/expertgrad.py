@@ -79,16 +79,10 @@ def check_unwrapped(model: torch.nn.Module, m: torch.nn.Module, where: str) -> N
 
 
 def _expert(m: Any, w: dict[str, Tensor], x: Tensor) -> Tensor:
-    """One expert's computation in the eager loop's operations (``experts.Experts._eager``)."""
-    from .experts import _project
+    """One expert's computation in the eager loop's operations (``experts.expert_out``)."""
+    from .experts import expert_out  # (experts imports this module)
 
-    gate = "gate_up_proj" if m.has_gate else "up_proj"
-    h = _project(x, w[gate], w.get(gate + "_bias"), m.is_transposed)
-    h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
-    h = _project(h, w["down_proj"], w.get("down_proj_bias"), m.is_transposed)
-    if getattr(m, "has_post_expert_norm", False):
-        h = m.post_expert_norm(h)
-    return h
+    return expert_out(m, w, x)
 
 
 def _amp() -> tuple[bool, torch.dtype]:
@@ -163,12 +157,11 @@ def train_forward(owner: Experts, m: Any, lay: ExpertsLayout, hidden_states: Ten
 
 
 def _loop(owner: Experts, m: Any, lay: ExpertsLayout, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    from .experts import _routing  # (experts imports this module)
+
     n = lay.experts
     final_hidden_states = torch.zeros_like(hidden_states)
-    with torch.no_grad():
-        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
-        expert_mask = expert_mask.permute(2, 1, 0)
-        expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+    expert_mask, expert_hit = _routing(top_k_index, n)
     if expert_hit.device.type != "cpu":  # (which experts: read on the host, as the eager loop's iteration syncs)
         expert_hit = owner._to_host(expert_hit)
     hit = [int(i) for i in expert_hit[:, 0].tolist() if i < n]

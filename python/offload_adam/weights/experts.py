@@ -281,10 +281,7 @@ class Experts:
         """transformers' ``"eager"`` loop over the units (see the module documentation)."""
         n = lay.experts
         final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        expert_mask, expert_hit = _routing(top_k_index, n)
         hit = [int(i) for i in expert_hit[:, 0].tolist() if i < n]
         keep = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad) and self.store.nvme
         gate = "gate_up_proj" if m.has_gate else "up_proj"
@@ -307,10 +304,7 @@ class Experts:
         st = self.stats[self.phase]
         n = lay.experts
         final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        expert_mask, expert_hit = _routing(top_k_index, n)
         hit = [int(i) for i in self._to_host(expert_hit[:, 0]).tolist() if i < n]  # (the one sync of a call)
         dtype = lay.params[0].parts[0].dtype
         params = sum(q.numel for ep in lay.params for q in ep.parts)
@@ -353,10 +347,7 @@ class Experts:
         st = self.stats[self.phase]
         n = lay.experts
         final_hidden_states = torch.zeros_like(hidden_states)
-        with torch.no_grad():
-            expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1)
-            expert_mask = expert_mask.permute(2, 1, 0)
-            expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+        expert_mask, expert_hit = _routing(top_k_index, n)
         hit = [int(i) for i in self._to_host(expert_hit[:, 0]).tolist() if i < n]  # (the one sync of a call)
         cached = {e: gpu.get(lay.index, e) for e in hit}
         miss = [e for e in hit if cached[e] is None]
@@ -449,16 +440,29 @@ def _run_group(lay: ExpertsLayout, group: list[tuple[int, Tensor]], x: Tensor, i
     run_native(x, gu, dn, local, weights, gate_up_scale=gs if quant else None, down_scale=ds if quant else None, out=out, num_threads=threads)
 
 
-def _expert(m: Any, w: dict[str, Tensor], current_state: Tensor, routing: Tensor) -> Tensor:
-    """One expert of transformers' eager loop on its rows: projection, gate, projection, the
-    post-expert norm, the routing weight."""
+def _routing(top_k_index: Tensor, n: int) -> tuple[Tensor, Tensor]:
+    """transformers' eager loop's routing: the one-hot mask ``[n + 1, k, rows]`` (index ``n``
+    is where an expert-parallel rank's foreign experts go) and the experts hit, ``[hits, 1]``."""
+    with torch.no_grad():
+        expert_mask = torch.nn.functional.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)
+        return expert_mask, torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
+
+
+def expert_out(m: Any, w: dict[str, Tensor], x: Tensor) -> Tensor:
+    """One expert of transformers' eager loop on its rows ``x``: projection, gate, projection,
+    the post-expert norm (the routing weight is the caller's)."""
     gate = "gate_up_proj" if m.has_gate else "up_proj"
-    h = _project(current_state, w[gate], w.get(gate + "_bias"), m.is_transposed)
+    h = _project(x, w[gate], w.get(gate + "_bias"), m.is_transposed)
     h = m._apply_gate(h) if m.has_gate else m.act_fn(h)
     h = _project(h, w["down_proj"], w.get("down_proj_bias"), m.is_transposed)
     if getattr(m, "has_post_expert_norm", False):
         h = m.post_expert_norm(h)
-    return h * routing
+    return h
+
+
+def _expert(m: Any, w: dict[str, Tensor], current_state: Tensor, routing: Tensor) -> Tensor:
+    """One expert of the eager loop with its routing weight."""
+    return expert_out(m, w, current_state) * routing
 
 
 class DeviceCache:

@@ -146,6 +146,32 @@ def _check_model(model: torch.nn.Module, checkpoint: Any) -> None:
             raise ValueError(f"model: buffer {n} is on the meta device (build with init_empty_weights(include_buffers=False))")
 
 
+def _restore(h: WeightOffload, lost: list[tuple[str, BaseException]]) -> None:
+    """``WeightOffload.close()``'s middle: every block's and every routed expert's parameters
+    back on the host from where they live; what cannot be read is noted in ``lost`` (its
+    parameters left on the meta device)."""
+    for b in h.blocks:
+        if b.index in h.resident:
+            for e in b.entries:
+                e.attach([h._to_host(t) for t in e.tensors()])
+            continue
+        try:
+            data = h.sources.of(b).read(b)
+        except OSError as err:
+            lost.append((b.name, err))
+            for e in b.entries:
+                _to_meta(e)
+            continue
+        for e in b.entries:
+            e.attach([v.clone() for v in e.views(data)])
+    if h.experts is not None:
+        for lay in h.experts.layouts:
+            try:
+                h.experts.store.restore(lay)
+            except OSError as err:
+                lost.append((lay.name, err))
+
+
 def _to_meta(e: Entry) -> None:
     """``e``'s parameter (the same object, for every module holding it) onto the meta device: its
     weights are lost, and a read of it fails loudly."""
@@ -523,25 +549,7 @@ class WeightOffload:
             # thread's allocation meanwhile (a cold path: one synchronize).
             self.device.synchronize()
             self.streamer.close()
-            for b in self.blocks:
-                if b.index in self.resident:
-                    for e in b.entries:
-                        e.attach([self._to_host(t) for t in e.tensors()])
-                    continue
-                try:
-                    data = self.sources.of(b).read(b)
-                except OSError as err:
-                    lost.append((b.name, err))
-                    for e in b.entries:
-                        _to_meta(e)
-                    continue
-                for e in b.entries:
-                    e.attach([v.clone() for v in e.views(data)])
-            for lay in self.experts.layouts if self.experts is not None else []:
-                try:
-                    self.experts.store.restore(lay)  # type: ignore[union-attr]
-                except OSError as err:
-                    lost.append((lay.name, err))
+            _restore(self, lost)
             for m in self.model.modules():
                 for name, buf in m._buffers.items():
                     if buf is not None:

@@ -142,6 +142,28 @@ def test_thread_counts_and_the_batch_change_no_bit() -> None:
             assert torch.equal(alone, one[4:5]), f"{simd} {kind}: a row alone differs from the same row in the batch"
 
 
+@pytest.mark.skipif(not _native.omp_available(), reason="no OpenMP runtime (libgomp) in this process")
+def test_the_openmp_team_changes_no_bit() -> None:
+    """``omp=True`` runs the call's tasks on torch's OpenMP team (as ``linear``'s): the same tasks,
+    so the same bits as on the kernel's pool, every format, thread count and path."""
+    g = torch.Generator().manual_seed(5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        for kind in ("bf16", "int8", "fp8"):
+            gu, gus = expert_weights(kind, 160, 200, 7, g)
+            dn, dns = expert_weights(kind, 200, 80, 7, g)
+            idx = routing(9, 4, 7, g)
+            x = torch.randn(9, 200, generator=g).bfloat16()
+            w = torch.rand(9, 4, generator=g)
+            for simd in PATHS:
+                pool = run(x, gu, dn, idx, w, gate_up_scale=gus, down_scale=dns, simd=simd, num_threads=2)
+                team = run(x, gu, dn, idx, w, gate_up_scale=gus, down_scale=dns, simd=simd, num_threads=2, omp=True)
+                assert torch.equal(pool, team), f"{simd} {kind}"
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_skipped_slots_and_rows_without_experts() -> None:
     g = torch.Generator().manual_seed(1)
     gu, _ = expert_weights("bf16", 32, 16, 3, g)

@@ -147,6 +147,7 @@ def experts(
     act: str = "silu",
     num_threads: int = 1,
     simd: str | None = None,
+    omp: bool = False,
 ) -> None: ...
 
 @final

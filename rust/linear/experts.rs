@@ -54,8 +54,8 @@
 //! `tests.rs`'s `experts` tests and the Python tests hold every path to it.
 
 use super::{
-    block_len, check_supported, column_blocks, out_tasks, run_tasks, Act, ActMut, Job, LinearPath, OutBlock, Shape,
-    Weight,
+    block_len, check_supported, column_blocks, out_tasks, run_tasks, task_threads, Act, ActMut, Job, LinearPath,
+    OutBlock, Shape, Weight,
 };
 use crate::elem::{bf16_to_f32, f32_to_bf16, Bf16};
 use crate::error::{Error, Result};
@@ -287,7 +287,9 @@ fn job<'a>(rows: usize, x: Act<'a>, w: Weight<'a>, k: usize, n: usize) -> Job<'a
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn run<P: LinearPath>(
+    omp: Option<usize>,
     pool: Option<&rayon::ThreadPool>,
     shape: ExpertsShape,
     x: Act<'_>,
@@ -298,7 +300,7 @@ pub(crate) fn run<P: LinearPath>(
     out: ActMut<'_>,
 ) {
     let ExpertsShape { rows, hidden, inter, k } = shape;
-    let threads = pool.map_or(1, |p| p.current_num_threads());
+    let threads = task_threads(omp, pool);
     let route = routing(shape, experts.len(), index);
     let gathered: Vec<Rows<'_>> = route
         .rows
@@ -337,7 +339,7 @@ pub(crate) fn run<P: LinearPath>(
             tasks.push((a, b * block, cols));
         }
     }
-    run_tasks(None, pool, tasks, |(a, c0, cols): (usize, usize, Vec<&mut [f32]>)| {
+    run_tasks(omp, pool, tasks, |(a, c0, cols): (usize, usize, Vec<&mut [f32]>)| {
         let len = cols.first().map_or(0, |c| c.len());
         let mut gate = OutBlock::F32(cols);
         let mut up_buf = vec![0.0f32; gjobs[a].shape.rows * len];
@@ -374,7 +376,7 @@ pub(crate) fn run<P: LinearPath>(
     let down_bytes = experts.first().map_or(1, |e| bytes_per_weight(&e.down));
     let block = cols_per_task(hidden, threads, inter * down_bytes);
     let tasks = out_tasks(out, rows, hidden, block);
-    run_tasks(None, pool, tasks, |(c0, mut cols): (usize, OutBlock<'_>)| {
+    run_tasks(omp, pool, tasks, |(c0, mut cols): (usize, OutBlock<'_>)| {
         let len = match &cols {
             OutBlock::F32(c) => c.first().map_or(0, |c| c.len()),
             OutBlock::Bf16(c) => c.first().map_or(0, |c| c.len()),
@@ -415,8 +417,47 @@ pub(crate) fn run<P: LinearPath>(
 
 /// `out = ` the routed experts' weighted sum (see the module's documentation) on `simd`'s path,
 /// on `pool` (None: the calling thread). Everything is checked first: an error writes nothing.
+#[allow(clippy::too_many_arguments)]
 pub fn experts(
     simd: Simd,
+    pool: Option<&rayon::ThreadPool>,
+    shape: ExpertsShape,
+    x: Act<'_>,
+    experts: &[Expert<'_>],
+    index: &[i64],
+    weights: Act<'_>,
+    act: Activation,
+    out: ActMut<'_>,
+) -> Result<()> {
+    experts_on(simd, None, pool, shape, x, experts, index, weights, act, out)
+}
+
+/// As [`experts`], its tasks run on the process's OpenMP team of `threads` (torch's intra-op
+/// threads, `crate::omp`) where it has one and the call is not inside a parallel region, else on
+/// `pool`: inside a model, torch's spinning OpenMP workers and the pool's threads then do not
+/// compete for the cores between the layer's operations. The result is [`experts`]', bit for bit
+/// (the same tasks, wherever they run).
+#[allow(clippy::too_many_arguments)]
+pub fn experts_omp(
+    simd: Simd,
+    threads: usize,
+    pool: Option<&rayon::ThreadPool>,
+    shape: ExpertsShape,
+    x: Act<'_>,
+    experts: &[Expert<'_>],
+    index: &[i64],
+    weights: Act<'_>,
+    act: Activation,
+    out: ActMut<'_>,
+) -> Result<()> {
+    let omp = crate::omp::usable().then_some(threads);
+    experts_on(simd, omp, pool, shape, x, experts, index, weights, act, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn experts_on(
+    simd: Simd,
+    omp: Option<usize>,
     pool: Option<&rayon::ThreadPool>,
     shape: ExpertsShape,
     x: Act<'_>,
@@ -435,6 +476,6 @@ pub fn experts(
         Act::F32(w) => w.to_vec(),
         Act::Bf16(w) => w.iter().map(|v| bf16_to_f32(v.0)).collect(),
     };
-    dispatch!(simd, run(pool, shape, x, experts, index, &w, act, out));
+    dispatch!(simd, run(omp, pool, shape, x, experts, index, &w, act, out));
     Ok(())
 }

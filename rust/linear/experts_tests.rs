@@ -357,7 +357,7 @@ fn the_portable_lanes_are_within_the_bound() {
             } else {
                 ActMut::F32(&mut o32)
             };
-            experts::run::<tile::PortablePath>(None, c.shape, c.x(o), &ex, &c.index, &w, o.act, out);
+            experts::run::<tile::PortablePath>(None, None, c.shape, c.x(o), &ex, &c.index, &w, o.act, out);
             let y: Vec<f32> = if bf16_x {
                 ob.iter().map(|v| bf16_to_f32(v.0)).collect()
             } else {

@@ -108,9 +108,10 @@ fn weight<'a>(
 /// dtype, sharing no memory with any input) is overwritten. `act` is `"silu"` or `"gelu_tanh"`.
 /// Every tensor is a contiguous CPU tensor. Only the experts `index` names are checked and read:
 /// the lists' other entries are not looked at (any object: `None` for an expert not here). Runs
-/// on `num_threads` threads, GIL released.
+/// on `num_threads` threads, GIL released (`omp`: on the process's OpenMP team, as `linear`'s;
+/// the same bits).
 #[pyfunction]
-#[pyo3(signature = (x, gate_up, down, index, weights, *, gate_up_scale=None, down_scale=None, out, act="silu", num_threads=1, simd=None))]
+#[pyo3(signature = (x, gate_up, down, index, weights, *, gate_up_scale=None, down_scale=None, out, act="silu", num_threads=1, simd=None, omp=false))]
 pub fn experts<'py>(
     py: Python<'py>,
     x: &Bound<'py, PyAny>,
@@ -124,6 +125,7 @@ pub fn experts<'py>(
     act: &str,
     num_threads: usize,
     simd: Option<&str>,
+    omp: bool,
 ) -> PyResult<()> {
     let simd = simd_or_default(simd)?;
     let pool = pool(num_threads)?;
@@ -248,6 +250,24 @@ pub fn experts<'py>(
     }
     let o = act_mut(&mut ov);
     let shape = ExpertsShape { rows, hidden, inter, k };
-    py.detach(|| core::experts(simd, pool.as_deref(), shape, xa, &list, &local, wa, activation, o))
+    if omp {
+        py.detach(|| {
+            core::experts_omp(
+                simd,
+                num_threads,
+                pool.as_deref(),
+                shape,
+                xa,
+                &list,
+                &local,
+                wa,
+                activation,
+                o,
+            )
+        })
         .map_err(err)
+    } else {
+        py.detach(|| core::experts(simd, pool.as_deref(), shape, xa, &list, &local, wa, activation, o))
+            .map_err(err)
+    }
 }

@@ -342,6 +342,39 @@ def test_the_native_kernel_agrees_where_the_routing_does(arch: str, kind: str, c
         print(f"\n{arch} {kind}: routing flipped at {flips} of {len(got)} decode steps{extra}")
 
 
+@pytest.mark.parametrize("native", [True, None])
+def test_each_experts_module_is_decided_once_at_attach(native: bool | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a decode call needs of its module (the layout's verdict, its units' views for the
+    kernel) is decided once per module when the offload attaches, not per call; the default's
+    choice of kernel for bf16 experts is measured once, on an experts-shaped call (not per call)."""
+    from offload_adam.weights import experts as X
+
+    decided: list[int] = []
+    measured: list[tuple[int, ...]] = []
+    real = X.decide
+
+    def counted(*a: Any, **kw: Any) -> Any:
+        decided.append(1)
+        return real(*a, **kw)
+
+    def faster(*a: Any, **kw: Any) -> bool:
+        measured.append(a)
+        return True
+
+    monkeypatch.setattr(X, "decide", counted)
+    monkeypatch.setattr(X, "native_experts_faster", faster)
+    m = model("qwen3moe")
+    h = offload_adam.offload_weights(m, device="cpu", native_matmul=native)
+    _decode(m, reference("qwen3moe")[1], 8)
+    r = h.report()["experts"]["decode"]
+    h.close()
+    assert len(decided) == len(experts_modules(m))
+    assert r["native"] == r["calls"] > len(decided)
+    assert len(measured) == (1 if native is None else 0)
+    if native is None:
+        assert measured[0][1:] == (64, 32, 2)  # (hidden, expert width, routed experts per token)
+
+
 def test_run_native_skips_minus_one_and_sums_the_weighted_experts() -> None:
     """run_native (the one-call kernel's signature): out[r] = sum_k w[r,k] * down[u] (silu(g) * up),
     index -1 skipped, against float64 within bf16's rounding."""

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,13 +56,19 @@ from ..runtime.device import Device
 from .costs import CostModel
 from .expertgrad import builds_graph, check_unwrapped, train_forward
 from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, _Slru, expert_param
-from .hostmatmul import MAX_ROWS, NativeMatmul, bf16_faster, weight_parts
+from .hostmatmul import MAX_ROWS, NativeMatmul, weight_parts
 from .placement import call_shape, to_device, to_host
 
 NAME = "offload_adam"  # the name of the offload's function in transformers' ExpertsInterface
 ATTR = "_offload_adam_experts"  # an experts module's runner, while offloaded
 STREAM_ROWS = 32  # a call on the device of more rows (a prompt) streams its routed experts whole (Experts._streamed)
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
+# Whether the experts kernel's tasks run on torch's own OpenMP team (``_native.experts(...,
+# omp=True)``, as ``hostmatmul.LINEAR_OMP`` for the linear kernel) instead of the kernel's rayon
+# pool. The same bits either way. Inside a model on a shared 2-core VM the pool's threads and
+# torch's spinning OpenMP workers fought over the cores between a layer's operations (see
+# docs/benchmarks.md, "Mixture of experts on the CPU").
+EXPERTS_OMP = True
 
 
 def is_fused_experts(m: torch.nn.Module) -> bool:
@@ -116,10 +123,110 @@ def _is_silu(act: Any) -> bool:
     return isinstance(act, torch.nn.SiLU) or type(act).__name__ == "SiLUActivation"
 
 
+@dataclass
+class Decided:
+    """What the calls of one experts module need, decided once when the offload attaches
+    (:func:`decide`): whether its layout is one the native kernel takes, and where its units'
+    weights live in RAM (``storage="cpu"``), the kernel's views of every expert's, so that a
+    decode call is the routing and one kernel call."""
+
+    native: bool  # gated SiLU, concatenated, not transposed, no bias or post-expert norm, bf16/int8/fp8
+    quantized: bool  # torchao's int8 or fp8 weight-only experts (else bfloat16)
+    gate_up: list[Tensor] | None = None  # per expert (RAM units only): the kernel's gate_up data
+    down: list[Tensor] | None = None
+    gate_up_scale: list[Tensor] | None = None  # quantized: per expert, flat
+    down_scale: list[Tensor] | None = None
+
+
+def decide(m: Any, lay: ExpertsLayout, ram: Tensor | None, offset: int, stride: int) -> Decided:
+    """:class:`Decided` for module ``m`` stored as ``lay``; ``ram``: the store's host copy of
+    every unit (``lay``'s first at ``offset``, ``stride`` bytes apart), None from the SSD."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    native = (
+        m.has_gate and not m.has_bias and not m.is_transposed and m.is_concatenated
+        and not getattr(m, "has_post_expert_norm", False)
+        and getattr(type(m), "_apply_gate", None) is _default_apply_gate and _is_silu(getattr(m, "act_fn", None))
+        and sorted(ep.name for ep in lay.params) == ["down_proj", "gate_up_proj"]
+    )  # fmt: skip
+    quantized = lay.params[0].kind is not None
+    if not quantized and any(q.dtype is not torch.bfloat16 for ep in lay.params for q in ep.parts):
+        native = False
+    d = Decided(native, quantized)
+    if not native or ram is None:
+        return d
+    views: dict[str, tuple[list[Tensor], list[Tensor]]] = {"gate_up_proj": ([], []), "down_proj": ([], [])}
+    for e in range(lay.experts):
+        w = lay.weights(ram[offset + e * stride : offset + e * stride + lay.unit_bytes])
+        for name, (data, scales) in views.items():
+            parts = weight_parts(w[name])
+            if isinstance(parts, str):  # (a quantized layout the kernel does not read: torch's loop)
+                return Decided(False, quantized)
+            data.append(parts.data)
+            if parts.scale is not None:
+                scales.append(parts.scale.reshape(-1))
+    d.gate_up, d.down = views["gate_up_proj"][0], views["down_proj"][0]
+    if quantized:
+        d.gate_up_scale, d.down_scale = views["gate_up_proj"][1], views["down_proj"][1]
+    return d
+
+
+def native_experts_faster(threads: int, hidden: int, inter: int, k: int, rounds: int = 3) -> bool:
+    """Whether the native kernel's one call of ``k`` bfloat16 experts (``gate_up`` ``[2 inter,
+    hidden]``, ``down`` ``[hidden, inter]``) on one row beats torch's per-expert loop (the eager
+    loop's operations) on this machine with ``threads`` threads, the weights read from DRAM as at
+    decode: the calls cycle over distinct experts of at least 192 MB in all (well over a
+    server's L3), best of ``rounds`` passes each; measured once per process and shape. The
+    kernel's 1-row matmul of one weight that stays in cache (``hostmatmul.bf16_faster``) does not
+    say it: on this project's Zen 4 VM torch's led there while the kernel's experts call led the
+    loop by 1.1-1.2x."""
+    key = (threads, hidden, inter, k)
+    known = _EXPERTS_FASTER.get(key)
+    if known is not None:
+        return known
+    g = torch.Generator().manual_seed(0)
+    gu0 = (torch.randn(2 * inter, hidden, generator=g) * hidden**-0.5).to(torch.bfloat16)
+    dn0 = (torch.randn(hidden, inter, generator=g) * inter**-0.5).to(torch.bfloat16)
+    per = (gu0.numel() + dn0.numel()) * 2
+    n = max(k, min(8 * k, -(-(192 << 20) // per)))
+    gu = [gu0.clone() for _ in range(n)]
+    dn = [dn0.clone() for _ in range(n)]
+    x = torch.randn(1, hidden, generator=g).to(torch.bfloat16)
+    w = torch.softmax(torch.randn(1, k, generator=g), -1)
+    wb = w.to(torch.bfloat16)
+    out = torch.empty_like(x)
+    local = torch.arange(k).view(1, k)
+    groups = [list(range(i, i + k)) for i in range(0, n - k + 1, k)]
+    prev = torch.get_num_threads()
+    ours, theirs = float("inf"), float("inf")
+    try:
+        torch.set_num_threads(threads)
+        with torch.no_grad():
+            for _ in range(rounds):
+                t0 = time.perf_counter()
+                for grp in groups:
+                    _native.experts(x, [gu[e] for e in grp], [dn[e] for e in grp], local, wb, out=out, num_threads=threads, omp=EXPERTS_OMP)
+                t1 = time.perf_counter()
+                for grp in groups:
+                    acc = torch.zeros_like(x)
+                    for j, e in enumerate(grp):
+                        a, b = F.linear(x, gu[e]).chunk(2, dim=-1)
+                        acc.index_add_(0, local[0, :1], F.linear(F.silu(a) * b, dn[e]) * wb[:, j, None])
+                t2 = time.perf_counter()
+                ours, theirs = min(ours, t1 - t0), min(theirs, t2 - t1)
+    finally:
+        torch.set_num_threads(prev)
+    _EXPERTS_FASTER[key] = ours < theirs
+    return ours < theirs
+
+
+_EXPERTS_FASTER: dict[tuple[int, int, int, int], bool] = {}
+
+
 def run_native(
     x: Tensor, gate_up: list[Tensor], down: list[Tensor], index: Tensor, weights: Tensor, *,
     gate_up_scale: list[Tensor | None] | None = None, down_scale: list[Tensor | None] | None = None,
-    out: Tensor, act: str = "silu", num_threads: int = 1,
+    out: Tensor, act: str = "silu", num_threads: int = 1, omp: bool | None = None,
 ) -> None:  # fmt: skip
     """``out[r] = sum_k weights[r, k] * down[u] @ (silu(g) * u)`` with ``g; u = gate_up[u] @ x[r]``,
     ``u = index[r, k]`` (``-1``: skipped), in one call of the routed-experts kernel
@@ -130,7 +237,7 @@ def run_native(
     ds = [t.reshape(-1) for t in down_scale] if down_scale else None  # type: ignore[union-attr]
     _native.experts(
         x, gate_up, down, index, weights.to(x.dtype).contiguous(), gate_up_scale=gs, down_scale=ds, out=out, act=act,
-        num_threads=num_threads,
+        num_threads=num_threads, omp=EXPERTS_OMP if omp is None else omp,
     )  # fmt: skip
 
 
@@ -150,6 +257,7 @@ class Experts:
         self.native_matmul = native_matmul
         self.num_threads = num_threads
         self.bf16: bool | None = None  # whether bf16 experts go to the native kernel (decided at the first call)
+        self.decided: dict[int, Decided] = {}  # by layout index: decided once, at attach (decide)
         self.saved: list[tuple[Any, Any]] = []  # (config, its experts implementation before)
         self.handles: list[Any] = []
         self.phase = "prompt"
@@ -187,8 +295,10 @@ class Experts:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         ALL_EXPERTS_FUNCTIONS[NAME] = experts_forward
+        s = self.store
         for lay in self.layouts:
             m = lay.module
+            self.decided[lay.index] = decide(m, lay, s.buf, s.offset[lay.index], s.stride[lay.index])
             setattr(m, ATTR, (self, lay))
             cfg: Any = m.config
             if not any(c is cfg for c, _ in self.saved):
@@ -208,6 +318,7 @@ class Experts:
             cfg._experts_implementation_internal = before
             _PREVIOUS.pop(id(cfg), None)
         self.saved = []
+        self.decided = {}  # (its views hold the store's host copy)
         for lay in self.layouts:
             lay.module.__dict__.pop(ATTR, None)
 
@@ -217,31 +328,35 @@ class Experts:
 
     # -- a call -----------------------------------------------------------------------------------
 
-    def _native_ok(self, m: Any, lay: ExpertsLayout, x: Tensor) -> bool:
-        """Whether this call runs :func:`run_native` (see the module documentation)."""
-        if self.native_matmul is False or x.dtype not in (torch.bfloat16, torch.float32) or not 0 < x.shape[0] <= MAX_ROWS:
+    def _native_ok(self, lay: ExpertsLayout, x: Tensor) -> bool:
+        """Whether this call runs :func:`run_native` (see the module documentation): the layout's
+        verdict (decided at attach), then what only the call says."""
+        d = self.decided[lay.index]
+        if not d.native or self.native_matmul is False or x.dtype not in (torch.bfloat16, torch.float32):
             return False
-        if torch.is_grad_enabled() and x.requires_grad or torch.is_autocast_enabled("cpu"):
+        if not 0 < x.shape[0] <= MAX_ROWS or torch.is_grad_enabled() and x.requires_grad or torch.is_autocast_enabled("cpu"):
             return False
-        if not m.has_gate or m.has_bias or m.is_transposed or not m.is_concatenated or getattr(m, "has_post_expert_norm", False):
-            return False
-        from transformers.integrations.moe import _default_apply_gate
-
-        if getattr(type(m), "_apply_gate", None) is not _default_apply_gate or not _is_silu(getattr(m, "act_fn", None)):
-            return False
-        names = [ep.name for ep in lay.params]
-        if sorted(names) != ["down_proj", "gate_up_proj"]:
-            return False
-        ep = lay.params[0]
-        if ep.kind is None:
-            if ep.parts[0].dtype is not torch.bfloat16 or x.dtype is not torch.bfloat16:
-                return False
-            if self.native_matmul is None:
-                if self.bf16 is None:
-                    self.bf16 = bf16_faster(self.num_threads or torch.get_num_threads())
-                return self.bf16
+        if d.quantized:
             return True
+        if x.dtype is not torch.bfloat16:
+            return False
+        if self.native_matmul is None:
+            if self.bf16 is None:
+                ep = {e.name: e for e in lay.params}
+                inter, hidden = ep["down_proj"].shape[1], ep["down_proj"].shape[0]
+                self.bf16 = native_experts_faster(self.num_threads or torch.get_num_threads(), hidden, inter, self._top_k(lay))
+            return self.bf16
         return True
+
+    @staticmethod
+    def _top_k(lay: ExpertsLayout) -> int:
+        """The routed experts per token of ``lay``'s model (8 when its config does not say)."""
+        cfg = lay.module.config
+        for key in ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k"):
+            v = getattr(cfg, key, None)
+            if isinstance(v, int) and v > 0:
+                return min(v, lay.experts)
+        return min(8, lay.experts)
 
     def forward(self, m: torch.nn.Module, lay: ExpertsLayout, hidden: Tensor, index: Tensor, weights: Tensor) -> Tensor:
         if builds_graph(lay, hidden, weights):  # (training: expertgrad.py)
@@ -262,7 +377,7 @@ class Experts:
                 if hidden.shape[0] > STREAM_ROWS:
                     return self._streamed(m, lay, hidden, index, weights)
                 return self._on_device(m, lay, hidden, index, weights)
-            if self._native_ok(m, lay, hidden):
+            if self._native_ok(lay, hidden):
                 st["native"] += 1
                 out = self._native(lay, hidden, index, weights)
             else:
@@ -396,13 +511,25 @@ class Experts:
         return final_hidden_states
 
     def _native(self, lay: ExpertsLayout, x: Tensor, index: Tensor, weights: Tensor) -> Tensor:
-        """The routed experts on :func:`run_native`: in one call where every unit lives in RAM,
-        else each as it is read, their results summed in float32 and rounded once."""
+        """The routed experts on :func:`run_native`: in one call where every unit lives in RAM
+        (the kernel's views of them made at attach), else each as it is read, their results
+        summed in float32 and rounded once."""
         n = lay.experts
-        routed = sorted({int(i) for i in index.flatten().tolist() if 0 <= i < n})
+        rows = index.tolist()
+        routed = sorted({i for r in rows for i in r if 0 <= i < n})
         threads = self.num_threads or torch.get_num_threads()
         x = x.contiguous()
         out = torch.empty_like(x)
+        d = self.decided[lay.index]
+        if d.gate_up is not None and d.down is not None:
+            self.store.hits += len(routed)
+            if any(i >= n for r in rows for i in r):  # (an expert-parallel rank's foreign experts: n)
+                index = torch.tensor([[i if i < n else -1 for i in r] for r in rows], dtype=torch.int64)
+            run_native(
+                x, d.gate_up, d.down, index.to(torch.int64).contiguous(), weights, gate_up_scale=d.gate_up_scale,  # type: ignore[arg-type]
+                down_scale=d.down_scale, out=out, num_threads=threads,  # type: ignore[arg-type]
+            )  # fmt: skip
+            return out
         if self.store.buf is not None:
             _run_group(lay, list(self.store.units(lay, routed)), x, index, weights, out, threads)
             return out
@@ -562,4 +689,4 @@ def _not_ours(m: torch.nn.Module, *args: Any, **kwargs: Any) -> Tensor:
     return fn(m, *args, **kwargs)
 
 
-__all__ = ["ATTR", "NAME", "Experts", "experts_forward", "expert_params", "find_experts", "is_fused_experts", "run_native"]
+__all__ = ["ATTR", "NAME", "Decided", "Experts", "decide", "experts_forward", "expert_params", "find_experts", "is_fused_experts", "native_experts_faster", "run_native"]

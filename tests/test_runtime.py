@@ -161,6 +161,42 @@ def test_the_arena_allocates_exactly_what_is_asked_and_counts_it(align: int) -> 
         assert arena.nbytes == 0
 
 
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _thp_eligible(addr: int) -> bool:
+    """``THPeligible`` of the mapping of this process holding ``addr`` (``/proc/self/smaps``)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                a, b = (int(v, 16) for v in head.split("-"))
+                inside = a <= addr < b
+            elif inside and line.startswith("THPeligible:"):
+                return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(_thp_mode() != "madvise", reason="transparent huge pages not in madvise mode here")
+def test_the_host_copy_of_the_weights_asks_for_huge_pages() -> None:
+    """An allocation to fill (pin=False: the offload's host copies of the weights, dense and
+    routed experts) asks for transparent huge pages before it is written; in madvise mode a
+    mapping is eligible only where asked."""
+    from offload_adam.runtime.device import HostDevice
+
+    t = PinnedArena(HostDevice()).alloc(16 << 20, torch.uint8, pin=False)
+    inner = -(-t.data_ptr() // (2 << 20)) * (2 << 20)  # (the first whole huge page inside)
+    assert _thp_eligible(inner)
+    plain = torch.empty(16 << 20, dtype=torch.uint8)
+    assert not _thp_eligible(-(-plain.data_ptr() // (2 << 20)) * (2 << 20))  # (what it would be without)
+
+
 def test_an_allocation_is_released_only_after_the_copies_queued_on_it() -> None:
     """The simulator's release models cudaHostUnregister under a DMA: with the release waiting
     for the streams (as the CUDA device's finalizer does) no copy touches released memory."""

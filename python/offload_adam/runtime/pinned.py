@@ -42,6 +42,33 @@ def trim_host_memory() -> None:
             pass
 
 
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and arm64 (4 KiB base pages)
+MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+def advise_huge_pages(t: Tensor) -> bool:
+    """Asks Linux for transparent huge pages (``madvise(MADV_HUGEPAGE)``) over the whole 2 MiB
+    pages inside ``t``'s memory, before it is first written: where transparent huge pages are in
+    ``madvise`` mode (the default of many distributions) a large weight buffer is otherwise
+    faulted in 4 KiB pages, and a decode that reads every byte once per token walks the page
+    tables for each (the kernel's large-folio page cache maps a file that llama.cpp reads
+    through ``mmap`` with 2 MiB entries: docs/benchmarks.md). Only advice: the memory and its
+    contents are the same either way. Whether it was given (False elsewhere than Linux, or for
+    less than one huge page)."""
+    if not sys.platform.startswith("linux") or t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    a, b = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    if b <= a:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.madvise(ctypes.c_void_p(a), ctypes.c_size_t(b - a), MADV_HUGEPAGE)) == 0
+    except (OSError, AttributeError):  # (another C library)
+        return False
+
+
 class PinnedArena:
     """Exact-size pinned host allocations of one client of ``device``."""
 
@@ -58,12 +85,15 @@ class PinnedArena:
     def alloc(self, n: int, dtype: torch.dtype, *, align: int = 64, pin: bool = True) -> Tensor:
         """``n`` zeroed elements of pinned host memory starting on an ``align``-byte boundary
         (4096 for O_DIRECT transfers; host memory is 64-byte aligned anyway). ``pin=False``:
-        untouched memory, neither zeroed nor pinned, for the caller to fill and then :meth:`pin`."""
+        untouched memory, neither zeroed nor pinned, for the caller to fill and then :meth:`pin`
+        (the offload's host copies of the weights: huge pages asked for, :func:`advise_huge_pages`)."""
         es = torch.empty((), dtype=dtype).element_size()
         if align % es:
             raise ValueError(f"align {align} is not a multiple of the element size {es}")
         extra = align // es if align > 64 else 0
         raw = self.device.host_buffer(n + extra, dtype) if pin else self.device.host_empty(n + extra, dtype)
+        if not pin:
+            advise_huge_pages(raw)  # (untouched: faulted in huge pages as the caller fills it)
         skip = (-raw.data_ptr() % align) // es
         key = next(self._numbers)
         self._live[key] = raw.untyped_storage().nbytes()

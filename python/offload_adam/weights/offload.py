@@ -687,7 +687,9 @@ def offload_weights(
             otherwise. None (default): quantized weights (torchao's int8 or fp8 weight-only: torch's
             paths decode them 13-20x slower), and bfloat16 ones if the kernel's bfloat16 matmul beat
             torch's on this machine (``hostmatmul.bf16_faster``, measured once: ``report()``'s
-            ``native_bf16``); True: bfloat16 ones always too; False: torch's kernels always. The
+            ``native_bf16``; a mixture of experts' bfloat16 routed experts: if the kernel's
+            experts call beat torch's loop, ``experts.native_experts_faster``); True: bfloat16
+            ones always too; False: torch's kernels always. The
             kernel sums in float32 and rounds once, as torch does, in another order: the logits
             agree with torch's path to the last bits, not necessarily bitwise.
         cost_model: ``placement="auto"``'s cost model (default: None, this machine's, measured

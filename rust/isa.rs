@@ -232,6 +232,49 @@ pub unsafe trait Isa: Copy + Send + Sync + 'static {
     unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
         y.map(|y| search256_lane(tree, y))
     }
+    /// Whether the path permutes bytes across two registers (`vpermi2b`, AVX-512 VBMI): then the
+    /// block codecs decode 64 codes at a time through byte tables ([`Isa::lookup256x64`],
+    /// [`Isa::lookup_bf16x64`]).
+    const BYTE_PERMUTES: bool = false;
+    /// `f32::from_le_bytes([planes[0][c], planes[1][c], planes[2][c], planes[3][c]])` for each of
+    /// 64 codes `c`: a 256-entry float table held as its four byte planes (the 8-bit maps'
+    /// values). Here one lane at a time: the specification of the paths with byte permutes.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn lookup256x64(planes: &BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+        let p = &planes.0;
+        idx.map(|c| {
+            let c = c as usize;
+            f32::from_le_bytes([p[0][c], p[1][c], p[2][c], p[3][c]])
+        })
+    }
+    /// For each of 64 codes `c`, the float32 whose top two bytes are `hi[c & 0x7f] | (c & 0x80)`
+    /// and `lo[c & 0x7f]` and whose low two bytes are zero (a bf16 value, its sign the code's
+    /// top bit: the fp8 codes). Here one lane at a time: the specification of the paths with byte
+    /// permutes.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn lookup_bf16x64(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+        idx.map(|c| {
+            let k = (c & 0x7f) as usize;
+            f32::from_bits((((hi[k] | (c & 0x80)) as u32) << 24) | ((lo[k] as u32) << 16))
+        })
+    }
+}
+
+/// A 256-entry float32 table as its four byte planes (plane 0: the least significant bytes), on
+/// a cache line boundary: what [`Isa::lookup256x64`] permutes.
+#[repr(C, align(64))]
+pub struct BytePlanes(pub [[u8; 256]; 4]);
+
+impl BytePlanes {
+    pub fn new(table: &[f32; 256]) -> BytePlanes {
+        BytePlanes(std::array::from_fn(|k| table.map(|v| v.to_le_bytes()[k])))
+    }
 }
 
 /// [`Isa::search256`] for one lane.
@@ -363,6 +406,89 @@ mod x86 {
         }
     }
 
+    /// Where the byte lookups take each of 64 codes so that their two-level unpack (bytes to
+    /// words, words to dwords, `vpunpck*`, within each 128-bit lane) leaves the dwords in the
+    /// codes' order: dword vector `k`'s 128-bit lane `L` then holds codes `16k + 4L .. 16k + 4L + 4`,
+    /// which are at positions `16L + 4k ..` of the permuted codes (a transposition of 4-byte
+    /// groups).
+    const UNPACK_ORDER: [u8; 64] = {
+        let mut o = [0u8; 64];
+        let mut p = 0;
+        while p < 64 {
+            let (l, k, j) = (p / 16, (p / 4) % 4, p % 4);
+            o[p] = (16 * k + 4 * l + j) as u8;
+            p += 1;
+        }
+        o
+    };
+
+    /// 64 codes loaded and put in [`UNPACK_ORDER`].
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn codes64(idx: &[u8; 64]) -> __m512i {
+        unsafe {
+            let order = _mm512_loadu_si512(UNPACK_ORDER.as_ptr() as *const _);
+            _mm512_permutexvar_epi8(order, _mm512_loadu_si512(idx.as_ptr() as *const _))
+        }
+    }
+
+    /// [`Isa::lookup256x64`] by byte permutes: per plane two `vpermi2b` (128 entries each, from
+    /// two registers; the code's low 7 bits) and a blend on its top bit, then the planes
+    /// interleaved into dwords.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn lookup256x64_zmm(planes: &super::BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+        unsafe {
+            let c = codes64(idx);
+            let top = _mm512_movepi8_mask(c);
+            let plane = |k: usize| {
+                let t = planes.0[k].as_ptr() as *const __m512i;
+                let lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t.add(1)));
+                let hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t.add(2)), c, _mm512_loadu_si512(t.add(3)));
+                _mm512_mask_blend_epi8(top, lo, hi)
+            };
+            let (b0, b1, b2, b3) = (plane(0), plane(1), plane(2), plane(3));
+            let (w01l, w01h) = (_mm512_unpacklo_epi8(b0, b1), _mm512_unpackhi_epi8(b0, b1));
+            let (w23l, w23h) = (_mm512_unpacklo_epi8(b2, b3), _mm512_unpackhi_epi8(b2, b3));
+            std::mem::transmute::<[__m512i; 4], [f32; 64]>([
+                _mm512_unpacklo_epi16(w01l, w23l),
+                _mm512_unpackhi_epi16(w01l, w23l),
+                _mm512_unpacklo_epi16(w01h, w23h),
+                _mm512_unpackhi_epi16(w01h, w23h),
+            ])
+        }
+    }
+
+    /// [`Isa::lookup_bf16x64`] by byte permutes: one `vpermi2b` per byte (128 entries, the
+    /// code's low 7 bits; `vpermi2b` ignores bit 7), the sign merged by one ternary logic op,
+    /// then the bytes interleaved into words and the words above zero words.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn lookup_bf16x64_zmm(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+        unsafe {
+            let c = codes64(idx);
+            let (th, tl) = (hi.as_ptr() as *const __m512i, lo.as_ptr() as *const __m512i);
+            let h = _mm512_permutex2var_epi8(_mm512_loadu_si512(th), c, _mm512_loadu_si512(th.add(1)));
+            // h | (c & 0x80)
+            let h = _mm512_ternarylogic_epi32::<0xf8>(h, c, _mm512_set1_epi8(0x80u8 as i8));
+            let l = _mm512_permutex2var_epi8(_mm512_loadu_si512(tl), c, _mm512_loadu_si512(tl.add(1)));
+            let (wl, wh) = (_mm512_unpacklo_epi8(l, h), _mm512_unpackhi_epi8(l, h));
+            let z = _mm512_setzero_si512();
+            std::mem::transmute::<[__m512i; 4], [f32; 64]>([
+                _mm512_unpacklo_epi16(z, wl),
+                _mm512_unpackhi_epi16(z, wl),
+                _mm512_unpacklo_epi16(z, wh),
+                _mm512_unpackhi_epi16(z, wh),
+            ])
+        }
+    }
+
     /// Two AVX2 gathers of 8 lanes each.
     ///
     /// # Safety
@@ -474,7 +600,8 @@ mod x86 {
     }
 
     // SAFETY: as for `Avx512` and `Avx512Bf16`, which these delegate to; the lookups use
-    // AVX-512 F only, and run only where the path (AVX-512 with VBMI) was detected.
+    // AVX-512 F, BW and VBMI, and run only where the path (AVX-512 with VBMI) was detected. The
+    // byte tables are read by whole 64-byte loads within their arrays (256 or 128 bytes).
     unsafe impl Isa for Avx512Vbmi {
         const SEARCH_IN_REGISTERS: bool = true;
         #[inline(always)]
@@ -504,6 +631,15 @@ mod x86 {
         #[inline(always)]
         unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
             unsafe { search256_zmm(tree, y) }
+        }
+        const BYTE_PERMUTES: bool = true;
+        #[inline(always)]
+        unsafe fn lookup256x64(planes: &super::BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup256x64_zmm(planes, idx) }
+        }
+        #[inline(always)]
+        unsafe fn lookup_bf16x64(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup_bf16x64_zmm(hi, lo, idx) }
         }
     }
 
@@ -541,6 +677,15 @@ mod x86 {
         #[inline(always)]
         unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
             unsafe { search256_zmm(tree, y) }
+        }
+        const BYTE_PERMUTES: bool = true;
+        #[inline(always)]
+        unsafe fn lookup256x64(planes: &super::BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup256x64_zmm(planes, idx) }
+        }
+        #[inline(always)]
+        unsafe fn lookup_bf16x64(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup_bf16x64_zmm(hi, lo, idx) }
         }
     }
 }

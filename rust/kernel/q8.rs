@@ -24,7 +24,7 @@ use super::maps;
 use super::segment::{nan_max, Consts, Kahan, OutMut, Q8Mut, QBLOCK};
 use crate::elem::Bf16;
 use crate::elem::Elem;
-use crate::isa::{Block, Generic, Isa, LANES};
+use crate::isa::{Block, BytePlanes, Generic, Isa, LANES};
 
 /// torchao (after bitsandbytes) quantizes a tensor's moments only from this many elements, and
 /// only if they divide into blocks; other tensors keep unquantized moments.
@@ -88,6 +88,8 @@ pub struct Map {
     /// `1..=255` (`code_ref` is monotone in `y`, so the code is the number of them `<= y`), as
     /// the levels of a binary search.
     tree: [f32; 256],
+    /// The paths with byte permutes ([`Isa::lookup256x64`]): `q` as its four byte planes.
+    planes: BytePlanes,
 }
 
 /// Buckets of one sign: magnitudes up to 1.0 by their top 15 bits (below the sign), then one
@@ -121,6 +123,7 @@ impl Map {
                 .try_into()
                 .expect("BUCKETS entries"),
             tree: [0.0; 256],
+            planes: BytePlanes::new(&q),
         };
         // The thresholds: for each code, the first float of [-1, 1] (in the floats' order) with
         // that code or a larger one, by bisection over the order.
@@ -281,12 +284,22 @@ pub unsafe fn quantize_block<I: Isa>(map: &Map, x: &[f32; QBLOCK], codes: &mut [
     s
 }
 
-/// `map[code] * absmax` for one block, by the path's gathers.
+/// `map[code] * absmax` for one block, by the path's gathers, or 64 codes at a time by its byte
+/// permutes.
 ///
 /// # Safety
 /// The CPU supports `I`.
 #[inline(always)]
 pub unsafe fn dequantize_block<I: Isa>(map: &Map, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
+    if I::BYTE_PERMUTES {
+        let (cb, ob) = (codes.as_chunks::<64>().0, out.as_chunks_mut::<64>().0);
+        for (c, o) in cb.iter().zip(ob) {
+            // SAFETY: CPU support is the caller's contract.
+            let q = unsafe { I::lookup256x64(&map.planes, c) };
+            *o = q.map(|v| v * s);
+        }
+        return;
+    }
     let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
     for (c, o) in cb.iter().zip(ob) {
         // SAFETY: CPU support is the caller's contract.
@@ -714,6 +727,53 @@ mod tests {
                             assert_eq!(codes[i], m.code_ref(y[i]), "y = {:e}", y[i]);
                         }
                         assert_eq!(vals[i].to_bits(), m.q[c[i] as usize].to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    /// The byte-permute lookups (the VBMI paths' decode of 64 codes) against the tables: every
+    /// code in every one of the 64 positions, for both maps and the fp8 codes.
+    #[test]
+    fn the_byte_lookups_are_the_tables() {
+        use crate::kernel::fp8;
+        // The portable specification first: the planes are the map.
+        let idx: [[u8; 64]; 4] = std::array::from_fn(|k| std::array::from_fn(|i| (64 * k + i) as u8));
+        for m in [signed(), unsigned()] {
+            for c in &idx {
+                let got = unsafe { Generic::lookup256x64(&m.planes, c) };
+                for i in 0..64 {
+                    assert_eq!(got[i].to_bits(), m.q[c[i] as usize].to_bits());
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::{Avx512Vbmi, Simd};
+            if !Simd::Avx512Vbmi.supported() {
+                eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                return;
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]
+            unsafe fn run(m: &Map, c: &[u8; 64]) -> ([f32; 64], [f32; 64]) {
+                let mut q = [0.0f32; QBLOCK];
+                let mut codes = [0u8; QBLOCK];
+                codes[..64].copy_from_slice(c);
+                unsafe { fp8::FP8.dequantize::<Avx512Vbmi>(&codes, 1.0, &mut q) };
+                let f: [f32; 64] = q[..64].try_into().unwrap();
+                (unsafe { Avx512Vbmi::lookup256x64(&m.planes, c) }, f)
+            }
+            for m in [signed(), unsigned()] {
+                for rot in 0..256usize {
+                    let c: [u8; 64] = std::array::from_fn(|i| ((i * 4 + rot) % 256) as u8);
+                    let c2: [u8; 64] = std::array::from_fn(|i| ((i * 4 + rot + 1 + i / 16) % 256) as u8);
+                    for c in [c, c2] {
+                        let (q, f) = unsafe { run(m, &c) };
+                        for i in 0..64 {
+                            assert_eq!(q[i].to_bits(), m.q[c[i] as usize].to_bits(), "code {} at {i}", c[i]);
+                            assert_eq!(f[i].to_bits(), fp8::decode(c[i]).to_bits(), "fp8 {} at {i}", c[i]);
+                        }
                     }
                 }
             }

@@ -290,8 +290,8 @@ fn buckets(first: &[f32; 256], signed: bool) -> Buckets {
         b.code[bk] = below as u8;
         for k in 0..3 {
             let bytes = inside.get(k).copied().unwrap_or(f32::INFINITY).to_le_bytes();
-            for p in 0..4 {
-                b.thr[k][p][bk] = bytes[p];
+            for (plane, &byte) in b.thr[k].iter_mut().zip(&bytes) {
+                plane[bk] = byte;
             }
         }
     }

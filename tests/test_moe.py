@@ -32,15 +32,7 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 128
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """One torch thread: these models' matmuls are tiny, and two threads of a loaded 2-core
-    machine spin-wait each other (a generate took 100x longer); the references are computed under
-    it too."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def qwen() -> torch.nn.Module:

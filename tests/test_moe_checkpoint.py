@@ -23,12 +23,7 @@ accelerate = pytest.importorskip("accelerate")
 from safetensors.torch import save_file  # noqa: E402
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def per_expert(sd: dict[str, torch.Tensor], arch: str) -> dict[str, torch.Tensor]:

@@ -6,7 +6,6 @@ cache of all units: test_moe.py.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,13 +24,7 @@ from test_weights import nvme_dir  # noqa: F401 (a fixture: a temporary director
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """One torch thread, as test_moe.py's references are computed."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def unit(m: torch.nn.Module) -> int:

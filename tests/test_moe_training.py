@@ -24,6 +24,7 @@ from test_weights import nvme_dir  # noqa: F401 (a fixture: a temporary director
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 transformers.utils.logging.set_verbosity_error()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VOCAB = 128
 STEPS = 12

@@ -232,6 +232,114 @@ pub unsafe trait Isa: Copy + Send + Sync + 'static {
     unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
         y.map(|y| search256_lane(tree, y))
     }
+    /// Whether the path permutes bytes across two registers (`vpermi2b`, AVX-512 VBMI): then the
+    /// block codecs decode 64 codes at a time through byte tables ([`Isa::lookup256x64`],
+    /// [`Isa::lookup_bf16x64`]).
+    const BYTE_PERMUTES: bool = false;
+    /// `f32::from_le_bytes([planes[0][c], planes[1][c], planes[2][c], planes[3][c]])` for each of
+    /// 64 codes `c`: a 256-entry float table held as its four byte planes (the 8-bit maps'
+    /// values). Here one lane at a time: the specification of the paths with byte permutes.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn lookup256x64(planes: &BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+        let p = &planes.0;
+        idx.map(|c| {
+            let c = c as usize;
+            f32::from_le_bytes([p[0][c], p[1][c], p[2][c], p[3][c]])
+        })
+    }
+    /// The codes of 64 values by a bucket table, [`Buckets::code_lane`] in each lane. Here one
+    /// lane at a time: the specification of the paths with byte permutes.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn bucket_codes64(b: &Buckets, y: &[f32; 64]) -> [u8; 64] {
+        y.map(|y| b.code_lane(y))
+    }
+    /// For each of 64 codes `c`, the float32 whose top two bytes are `hi[c & 0x7f] | (c & 0x80)`
+    /// and `lo[c & 0x7f]` and whose low two bytes are zero (a bf16 value, its sign the code's
+    /// top bit: the fp8 codes). Here one lane at a time: the specification of the paths with byte
+    /// permutes.
+    ///
+    /// # Safety
+    /// The CPU supports the path.
+    #[inline(always)]
+    unsafe fn lookup_bf16x64(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+        idx.map(|c| {
+            let k = (c & 0x7f) as usize;
+            f32::from_bits((((hi[k] | (c & 0x80)) as u32) << 24) | ((lo[k] as u32) << 16))
+        })
+    }
+}
+
+/// The nearest codes of a monotone 256-level map by buckets ([`Isa::bucket_codes64`]): `y` is
+/// first clamped from below at `floor` (`max(y, floor)` as `vmaxps` computes it: NaN gives
+/// `floor`), then its bucket is `g = trunc(|y| * scale[e] + offset[e])` with `e` its magnitude's
+/// binade (exponent bits, at least 96, mod 32), flipped for a negative `y` (`g ^ 0x7f`, the
+/// offsets of a signed map holding 64 buckets per sign), and its code is the bucket's first code
+/// plus the number of the bucket's (at most three) thresholds that `y` reaches. Built once per
+/// map (`kernel/q8.rs`).
+#[repr(C, align(64))]
+pub struct Buckets {
+    /// Per bucket: the code of its smallest float.
+    pub code: [u8; 128],
+    /// Per bucket, its thresholds `k = 0, 1, 2` (the smallest float of each next code, +inf where
+    /// it has fewer), as byte planes: `thr[k][plane][bucket]`.
+    pub thr: [[[u8; 128]; 4]; 3],
+    /// Per binade `e & 31`: the bucket index's scale and offset.
+    pub scale: [f32; 32],
+    pub offset: [f32; 32],
+    /// The clamp from below: -1 for a signed map, 0 for an unsigned one.
+    pub floor: f32,
+}
+
+impl Buckets {
+    /// The bucket of `y` (after the clamp): the specification of the vector code.
+    #[inline(always)]
+    pub fn index(&self, y: f32) -> usize {
+        let bits = y.to_bits();
+        let a = bits & 0x7fff_ffff;
+        let e = ((a >> 23).max(96) & 31) as usize;
+        let g = f32::from_bits(a).mul_add(self.scale[e], self.offset[e]) as i32;
+        ((g ^ ((bits as i32) >> 31)) & 0x7f) as usize
+    }
+    /// `max(y, floor)` as `vmaxps` computes it (`floor` if `y` is NaN or not larger).
+    #[inline(always)]
+    pub fn clamp(&self, y: f32) -> f32 {
+        if y > self.floor {
+            y
+        } else {
+            self.floor
+        }
+    }
+    /// Threshold `k` of bucket `b`.
+    #[inline(always)]
+    pub fn threshold(&self, k: usize, b: usize) -> f32 {
+        let p = &self.thr[k];
+        f32::from_le_bytes([p[0][b], p[1][b], p[2][b], p[3][b]])
+    }
+    /// The code of one `y`: the specification of [`Isa::bucket_codes64`].
+    #[inline(always)]
+    pub fn code_lane(&self, y: f32) -> u8 {
+        let y = self.clamp(y);
+        let b = self.index(y);
+        let past = (0..3).filter(|&k| y >= self.threshold(k, b)).count() as u8;
+        self.code[b].wrapping_add(past)
+    }
+}
+
+/// A 256-entry float32 table as its four byte planes (plane 0: the least significant bytes), on
+/// a cache line boundary: what [`Isa::lookup256x64`] permutes.
+#[repr(C, align(64))]
+pub struct BytePlanes(pub [[u8; 256]; 4]);
+
+impl BytePlanes {
+    pub fn new(table: &[f32; 256]) -> BytePlanes {
+        BytePlanes(std::array::from_fn(|k| table.map(|v| v.to_le_bytes()[k])))
+    }
 }
 
 /// [`Isa::search256`] for one lane.
@@ -363,6 +471,169 @@ mod x86 {
         }
     }
 
+    /// Where the byte lookups take each of 64 codes so that their two-level unpack (bytes to
+    /// words, words to dwords, `vpunpck*`, within each 128-bit lane) leaves the dwords in the
+    /// codes' order: dword vector `k`'s 128-bit lane `L` then holds codes `16k + 4L .. 16k + 4L + 4`,
+    /// which are at positions `16L + 4k ..` of the permuted codes (a transposition of 4-byte
+    /// groups).
+    const UNPACK_ORDER: [u8; 64] = {
+        let mut o = [0u8; 64];
+        let mut p = 0;
+        while p < 64 {
+            let (l, k, j) = (p / 16, (p / 4) % 4, p % 4);
+            o[p] = (16 * k + 4 * l + j) as u8;
+            p += 1;
+        }
+        o
+    };
+
+    /// 64 codes loaded and put in [`UNPACK_ORDER`].
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn codes64(idx: &[u8; 64]) -> __m512i {
+        unsafe {
+            let order = _mm512_loadu_si512(UNPACK_ORDER.as_ptr() as *const _);
+            _mm512_permutexvar_epi8(order, _mm512_loadu_si512(idx.as_ptr() as *const _))
+        }
+    }
+
+    /// [`Isa::lookup256x64`] by byte permutes: per plane two `vpermi2b` (128 entries each, from
+    /// two registers; the code's low 7 bits) and a blend on its top bit, then the planes
+    /// interleaved into dwords.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn lookup256x64_zmm(planes: &super::BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+        unsafe {
+            let c = codes64(idx);
+            let top = _mm512_movepi8_mask(c);
+            let plane = |k: usize| {
+                let t = planes.0[k].as_ptr() as *const __m512i;
+                let lo = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t.add(1)));
+                let hi = _mm512_permutex2var_epi8(_mm512_loadu_si512(t.add(2)), c, _mm512_loadu_si512(t.add(3)));
+                _mm512_mask_blend_epi8(top, lo, hi)
+            };
+            let (b0, b1, b2, b3) = (plane(0), plane(1), plane(2), plane(3));
+            let (w01l, w01h) = (_mm512_unpacklo_epi8(b0, b1), _mm512_unpackhi_epi8(b0, b1));
+            let (w23l, w23h) = (_mm512_unpacklo_epi8(b2, b3), _mm512_unpackhi_epi8(b2, b3));
+            std::mem::transmute::<[__m512i; 4], [f32; 64]>([
+                _mm512_unpacklo_epi16(w01l, w23l),
+                _mm512_unpackhi_epi16(w01l, w23l),
+                _mm512_unpacklo_epi16(w01h, w23h),
+                _mm512_unpackhi_epi16(w01h, w23h),
+            ])
+        }
+    }
+
+    /// [`Isa::lookup_bf16x64`] by byte permutes: one `vpermi2b` per byte (128 entries, the
+    /// code's low 7 bits; `vpermi2b` ignores bit 7), the sign merged by one ternary logic op,
+    /// then the bytes interleaved into words and the words above zero words.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn lookup_bf16x64_zmm(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+        unsafe {
+            let c = codes64(idx);
+            let (th, tl) = (hi.as_ptr() as *const __m512i, lo.as_ptr() as *const __m512i);
+            let h = _mm512_permutex2var_epi8(_mm512_loadu_si512(th), c, _mm512_loadu_si512(th.add(1)));
+            // h | (c & 0x80)
+            let h = _mm512_ternarylogic_epi32::<0xf8>(h, c, _mm512_set1_epi8(0x80u8 as i8));
+            let l = _mm512_permutex2var_epi8(_mm512_loadu_si512(tl), c, _mm512_loadu_si512(tl.add(1)));
+            let (wl, wh) = (_mm512_unpacklo_epi8(l, h), _mm512_unpackhi_epi8(l, h));
+            let z = _mm512_setzero_si512();
+            std::mem::transmute::<[__m512i; 4], [f32; 64]>([
+                _mm512_unpacklo_epi16(z, wl),
+                _mm512_unpackhi_epi16(z, wl),
+                _mm512_unpacklo_epi16(z, wh),
+                _mm512_unpackhi_epi16(z, wh),
+            ])
+        }
+    }
+
+    /// [`Isa::bucket_codes64`] in registers: per 16 lanes the clamp, the binade's scale and
+    /// offset by two `vpermi2ps` (32 entries), one FMA and a truncation give the bucket; the 64
+    /// buckets packed to bytes (three `vpermi2b`) pick the first codes (one `vpermi2b`, 128
+    /// entries) and, put in the unpack order, each threshold's four byte planes (one `vpermi2b`
+    /// each) interleaved into floats; three compares per 16 lanes count the thresholds reached.
+    ///
+    /// # Safety
+    /// AVX-512 F/BW/VBMI.
+    #[inline(always)]
+    unsafe fn bucket_codes64_zmm(b: &super::Buckets, y: &[f32; 64]) -> [u8; 64] {
+        unsafe {
+            let floor = _mm512_set1_ps(b.floor);
+            let (sc0, sc1) = (
+                _mm512_loadu_ps(b.scale.as_ptr()),
+                _mm512_loadu_ps(b.scale.as_ptr().add(16)),
+            );
+            let (of0, of1) = (
+                _mm512_loadu_ps(b.offset.as_ptr()),
+                _mm512_loadu_ps(b.offset.as_ptr().add(16)),
+            );
+            let mut yb = [_mm512_setzero_ps(); 4];
+            let mut g = [_mm512_setzero_si512(); 4];
+            for k in 0..4 {
+                // vmaxps returns its second operand where the first is NaN: NaN becomes floor
+                let v = _mm512_max_ps(_mm512_loadu_ps(y.as_ptr().add(16 * k)), floor);
+                let bits = _mm512_castps_si512(v);
+                let a = _mm512_and_si512(bits, _mm512_set1_epi32(0x7fff_ffff));
+                let e = _mm512_max_epu32(_mm512_srli_epi32::<23>(a), _mm512_set1_epi32(96));
+                let z = _mm512_fmadd_ps(
+                    _mm512_castsi512_ps(a),
+                    _mm512_permutex2var_ps(sc0, e, sc1),
+                    _mm512_permutex2var_ps(of0, e, of1),
+                );
+                g[k] = _mm512_xor_si512(_mm512_cvttps_epi32(z), _mm512_srai_epi32::<31>(bits));
+                yb[k] = v;
+            }
+            // byte 4i of each pair of dword vectors: 32 bytes from each pair
+            let sel = _mm512_loadu_si512(PACK_DWORDS.as_ptr() as *const _);
+            let lo = _mm512_permutex2var_epi8(g[0], sel, g[1]);
+            let hi = _mm512_permutex2var_epi8(g[2], sel, g[3]);
+            let c = _mm512_inserti64x4::<1>(lo, _mm512_castsi512_si256(hi));
+            let t = b.code.as_ptr() as *const __m512i;
+            let mut code = _mm512_permutex2var_epi8(_mm512_loadu_si512(t), c, _mm512_loadu_si512(t.add(1)));
+            let r = _mm512_permutexvar_epi8(_mm512_loadu_si512(UNPACK_ORDER.as_ptr() as *const _), c);
+            for k in 0..3 {
+                let plane = |p: usize| {
+                    let t = b.thr[k][p].as_ptr() as *const __m512i;
+                    _mm512_permutex2var_epi8(_mm512_loadu_si512(t), r, _mm512_loadu_si512(t.add(1)))
+                };
+                let (b0, b1, b2, b3) = (plane(0), plane(1), plane(2), plane(3));
+                let (w01l, w01h) = (_mm512_unpacklo_epi8(b0, b1), _mm512_unpackhi_epi8(b0, b1));
+                let (w23l, w23h) = (_mm512_unpacklo_epi8(b2, b3), _mm512_unpackhi_epi8(b2, b3));
+                let th = [
+                    _mm512_unpacklo_epi16(w01l, w23l),
+                    _mm512_unpackhi_epi16(w01l, w23l),
+                    _mm512_unpacklo_epi16(w01h, w23h),
+                    _mm512_unpackhi_epi16(w01h, w23h),
+                ];
+                let mut m = 0u64;
+                for j in 0..4 {
+                    let ge = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(yb[j], _mm512_castsi512_ps(th[j]));
+                    m |= (ge as u64) << (16 * j);
+                }
+                code = _mm512_mask_add_epi8(code, m, code, _mm512_set1_epi8(1));
+            }
+            std::mem::transmute::<__m512i, [u8; 64]>(code)
+        }
+    }
+
+    /// Byte `i` is `4 * i` (mod 128): the low bytes of 32 dwords from two registers.
+    const PACK_DWORDS: [u8; 64] = {
+        let mut o = [0u8; 64];
+        let mut i = 0;
+        while i < 64 {
+            o[i] = ((4 * i) % 128) as u8;
+            i += 1;
+        }
+        o
+    };
+
     /// Two AVX2 gathers of 8 lanes each.
     ///
     /// # Safety
@@ -474,7 +745,8 @@ mod x86 {
     }
 
     // SAFETY: as for `Avx512` and `Avx512Bf16`, which these delegate to; the lookups use
-    // AVX-512 F only, and run only where the path (AVX-512 with VBMI) was detected.
+    // AVX-512 F, BW and VBMI, and run only where the path (AVX-512 with VBMI) was detected. The
+    // byte tables are read by whole 64-byte loads within their arrays (256 or 128 bytes).
     unsafe impl Isa for Avx512Vbmi {
         const SEARCH_IN_REGISTERS: bool = true;
         #[inline(always)]
@@ -504,6 +776,19 @@ mod x86 {
         #[inline(always)]
         unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
             unsafe { search256_zmm(tree, y) }
+        }
+        const BYTE_PERMUTES: bool = true;
+        #[inline(always)]
+        unsafe fn lookup256x64(planes: &super::BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup256x64_zmm(planes, idx) }
+        }
+        #[inline(always)]
+        unsafe fn lookup_bf16x64(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup_bf16x64_zmm(hi, lo, idx) }
+        }
+        #[inline(always)]
+        unsafe fn bucket_codes64(b: &super::Buckets, y: &[f32; 64]) -> [u8; 64] {
+            unsafe { bucket_codes64_zmm(b, y) }
         }
     }
 
@@ -541,6 +826,19 @@ mod x86 {
         #[inline(always)]
         unsafe fn search256(tree: &[f32; 256], y: &Block) -> [u8; LANES] {
             unsafe { search256_zmm(tree, y) }
+        }
+        const BYTE_PERMUTES: bool = true;
+        #[inline(always)]
+        unsafe fn lookup256x64(planes: &super::BytePlanes, idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup256x64_zmm(planes, idx) }
+        }
+        #[inline(always)]
+        unsafe fn lookup_bf16x64(hi: &[u8; 128], lo: &[u8; 128], idx: &[u8; 64]) -> [f32; 64] {
+            unsafe { lookup_bf16x64_zmm(hi, lo, idx) }
+        }
+        #[inline(always)]
+        unsafe fn bucket_codes64(b: &super::Buckets, y: &[f32; 64]) -> [u8; 64] {
+            unsafe { bucket_codes64_zmm(b, y) }
         }
     }
 }

@@ -85,6 +85,40 @@ fn decode32(c: u32) -> f32 {
     f32::from_bits(r | sign)
 }
 
+/// [`decode`]'s float bits of code `c`, in integer arithmetic (for the tables).
+const fn decode_bits(c: u8) -> u32 {
+    let sign = ((c & 0x80) as u32) << 24;
+    let em = (c & 0x7f) as u32;
+    let r = if em == 0x7f {
+        0x7ff0_0000
+    } else if em >= 8 {
+        (em << 20) + (120 << 23)
+    } else if em == 0 {
+        0
+    } else {
+        // em * 2^-9, normalized: its top bit is 2^e
+        let e = 31 - em.leading_zeros();
+        ((127 - 9 + e) << 23) | ((em ^ (1 << e)) << (23 - e))
+    };
+    r | sign
+}
+
+/// Every code's float has at most 4 significant bits, so it is a bf16: the top byte of each
+/// non-negative code's float (sign and top 7 exponent bits) and the next byte, for the paths
+/// that decode by byte permutes ([`Isa::lookup_bf16x64`]).
+const BF16_HI: [u8; 128] = bf16_bytes(24);
+const BF16_LO: [u8; 128] = bf16_bytes(16);
+
+const fn bf16_bytes(shift: u32) -> [u8; 128] {
+    let mut t = [0u8; 128];
+    let mut c = 0;
+    while c < 128 {
+        t[c] = (decode_bits(c as u8) >> shift) as u8;
+        c += 1;
+    }
+    t
+}
+
 impl Fp8 {
     /// The block's scale: `absmax.clip(1e-12) / 448` (NaN if an element is NaN).
     #[inline(always)]
@@ -128,6 +162,15 @@ impl Codec for Fp8 {
     }
     #[inline(always)]
     unsafe fn dequantize<I: Isa>(&self, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
+        if I::BYTE_PERMUTES {
+            let (cb, ob) = (codes.as_chunks::<64>().0, out.as_chunks_mut::<64>().0);
+            for (c, o) in cb.iter().zip(ob) {
+                // SAFETY: CPU support is the caller's contract.
+                let f = unsafe { I::lookup_bf16x64(&BF16_HI, &BF16_LO, c) };
+                *o = f.map(|v| v * s);
+            }
+            return;
+        }
         let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
         for (c, o) in cb.iter().zip(ob) {
             let mut w = [0u32; LANES];
@@ -184,6 +227,14 @@ mod tests {
             }
         }
         assert_eq!(decode(0x7e), FP8_MAX);
+        // The byte tables: the integer decode, and the low 16 bits of every float zero.
+        for c in 0..=255u8 {
+            let b = decode(c).to_bits();
+            assert_eq!(decode_bits(c), b, "{c:#x}");
+            assert_eq!(b & 0xffff, 0, "{c:#x}");
+            let k = (c & 0x7f) as usize;
+            assert_eq!(((BF16_HI[k] | (c & 0x80)) as u32) << 24 | (BF16_LO[k] as u32) << 16, b);
+        }
         assert_eq!(decode(0x7f).to_bits(), 0x7ff0_0000);
         assert_eq!(decode(0xff).to_bits(), 0xfff0_0000);
     }

@@ -24,7 +24,7 @@ use super::maps;
 use super::segment::{nan_max, Consts, Kahan, OutMut, Q8Mut, QBLOCK};
 use crate::elem::Bf16;
 use crate::elem::Elem;
-use crate::isa::{Block, Generic, Isa, LANES};
+use crate::isa::{Block, Buckets, BytePlanes, Generic, Isa, LANES};
 
 /// torchao (after bitsandbytes) quantizes a tensor's moments only from this many elements, and
 /// only if they divide into blocks; other tensors keep unquantized moments.
@@ -88,6 +88,10 @@ pub struct Map {
     /// `1..=255` (`code_ref` is monotone in `y`, so the code is the number of them `<= y`), as
     /// the levels of a binary search.
     tree: [f32; 256],
+    /// The paths with byte permutes ([`Isa::lookup256x64`]): `q` as its four byte planes.
+    planes: BytePlanes,
+    /// The paths with byte permutes ([`Isa::bucket_codes64`]): the quantizer's bucket table.
+    buckets: Buckets,
 }
 
 /// Buckets of one sign: magnitudes up to 1.0 by their top 15 bits (below the sign), then one
@@ -121,6 +125,14 @@ impl Map {
                 .try_into()
                 .expect("BUCKETS entries"),
             tree: [0.0; 256],
+            planes: BytePlanes::new(&q),
+            buckets: Buckets {
+                code: [0; 128],
+                thr: [[[0; 128]; 4]; 3],
+                scale: [0.0; 32],
+                offset: [0.0; 32],
+                floor: 0.0,
+            },
         };
         // The thresholds: for each code, the first float of [-1, 1] (in the floats' order) with
         // that code or a larger one, by bisection over the order.
@@ -152,6 +164,7 @@ impl Map {
                 m.tree[(1 << l) + i] = first[(2 * i + 1) * (128 >> l)];
             }
         }
+        m.buckets = buckets(&first, m.q[0] < 0.0);
         // The code is monotone in y: within a bucket it changes at most once (asserted), where
         // bisection over the low 16 bits finds it.
         for idx in 0..BUCKETS as u32 {
@@ -225,6 +238,66 @@ impl Map {
     }
 }
 
+/// The bucket table of a map from its thresholds (`first[j]`: the smallest `y` of code `j` or
+/// more, increasing): per magnitude binade, the fewest equal buckets (in `y`) that hold at most
+/// three thresholds each, 64 buckets per sign for a signed map, 128 for an unsigned one; then
+/// each bucket's first code (the thresholds in the buckets below it) and its own thresholds. The
+/// code of `y` is then `code_ref(y)` because the bucket index is monotone in `y` (asserted on
+/// the thresholds here; tested on every float near every threshold and bucket edge).
+fn buckets(first: &[f32; 256], signed: bool) -> Buckets {
+    let mut b = Buckets {
+        code: [0; 128],
+        thr: [[[0; 128]; 4]; 3],
+        scale: [0.0; 32],
+        offset: [0.0; 32],
+        floor: if signed { -1.0 } else { 0.0 },
+    };
+    let t = &first[1..];
+    let (half, budget) = if signed { (64u32, 64u32) } else { (0, 128) };
+    let binade = |x: f32| (x.to_bits() & 0x7fff_ffff) >> 23;
+    assert!(t.iter().all(|&x| binade(x) > 96), "a threshold below 2^-30");
+    let mut base = 0u32;
+    for e in 96..128u32 {
+        let i = (e & 31) as usize;
+        let inb: Vec<f32> = t.iter().copied().filter(|&x| binade(x) == e).collect();
+        if inb.is_empty() {
+            // one bucket: the next binade's first
+            (b.scale[i], b.offset[i]) = (0.0, (half + base) as f32);
+            continue;
+        }
+        let mut k = 1u32;
+        loop {
+            b.scale[i] = k as f32 * 2f32.powi(127 - e as i32);
+            b.offset[i] = (half + base) as f32 - k as f32;
+            let mut count = [0u8; 128];
+            for &x in &inb {
+                count[b.index(x)] += 1;
+            }
+            if count.iter().all(|&c| c <= 3) {
+                break;
+            }
+            k += 1;
+        }
+        base += k;
+    }
+    assert!(base < budget, "{base} buckets of one sign, more than {budget}");
+    let idx: Vec<usize> = t.iter().map(|&x| b.index(x)).collect();
+    assert!(idx.windows(2).all(|w| w[0] <= w[1]), "the bucket index is not monotone");
+    for bk in 0..128 {
+        let below = idx.iter().filter(|&&i| i < bk).count();
+        let inside: Vec<f32> = t.iter().zip(&idx).filter(|&(_, &i)| i == bk).map(|(&x, _)| x).collect();
+        assert!(inside.len() <= 3, "bucket {bk} holds {} thresholds", inside.len());
+        b.code[bk] = below as u8;
+        for k in 0..3 {
+            let bytes = inside.get(k).copied().unwrap_or(f32::INFINITY).to_le_bytes();
+            for (plane, &byte) in b.thr[k].iter_mut().zip(&bytes) {
+                plane[bk] = byte;
+            }
+        }
+    }
+    b
+}
+
 /// The map of `exp_avg`.
 pub fn signed() -> &'static Map {
     static M: OnceLock<Map> = OnceLock::new();
@@ -272,6 +345,15 @@ pub fn quantize_block_ref(map: &Map, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]
 #[inline(always)]
 pub unsafe fn quantize_block<I: Isa>(map: &Map, x: &[f32; QBLOCK], codes: &mut [u8; QBLOCK]) -> f32 {
     let s = absmax(x);
+    if I::BYTE_PERMUTES {
+        let (xb, cb) = (x.as_chunks::<64>().0, codes.as_chunks_mut::<64>().0);
+        for (x, c) in xb.iter().zip(cb) {
+            let y = x.map(|v| v / s);
+            // SAFETY: the caller's contract.
+            *c = unsafe { I::bucket_codes64(&map.buckets, &y) };
+        }
+        return s;
+    }
     let (xb, cb) = (x.as_chunks::<LANES>().0, codes.as_chunks_mut::<LANES>().0);
     for (x, c) in xb.iter().zip(cb) {
         let y = x.map(|v| v / s);
@@ -281,12 +363,22 @@ pub unsafe fn quantize_block<I: Isa>(map: &Map, x: &[f32; QBLOCK], codes: &mut [
     s
 }
 
-/// `map[code] * absmax` for one block, by the path's gathers.
+/// `map[code] * absmax` for one block, by the path's gathers, or 64 codes at a time by its byte
+/// permutes.
 ///
 /// # Safety
 /// The CPU supports `I`.
 #[inline(always)]
 pub unsafe fn dequantize_block<I: Isa>(map: &Map, codes: &[u8; QBLOCK], s: f32, out: &mut [f32; QBLOCK]) {
+    if I::BYTE_PERMUTES {
+        let (cb, ob) = (codes.as_chunks::<64>().0, out.as_chunks_mut::<64>().0);
+        for (c, o) in cb.iter().zip(ob) {
+            // SAFETY: CPU support is the caller's contract.
+            let q = unsafe { I::lookup256x64(&map.planes, c) };
+            *o = q.map(|v| v * s);
+        }
+        return;
+    }
     let (cb, ob) = (codes.as_chunks::<LANES>().0, out.as_chunks_mut::<LANES>().0);
     for (c, o) in cb.iter().zip(ob) {
         // SAFETY: CPU support is the caller's contract.
@@ -714,6 +806,191 @@ mod tests {
                             assert_eq!(codes[i], m.code_ref(y[i]), "y = {:e}", y[i]);
                         }
                         assert_eq!(vals[i].to_bits(), m.q[c[i] as usize].to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every float near every threshold, bucket edge and binade edge of the bucket table (4 ulps
+    /// either side), a dense sample of [-1, 1] (every float whose low 12 bits are one of five
+    /// patterns), a million spread ones, NaN, the zeros and the ends.
+    fn bucket_probes(m: &Map) -> Vec<f32> {
+        let mut ys = Vec::new();
+        let near = |y: f32, ys: &mut Vec<f32>| {
+            for d in -4i32..=4 {
+                let f = f32::from_bits(y.to_bits().wrapping_add_signed(d));
+                if f.is_finite() && f.abs() <= 1.0 {
+                    ys.push(f);
+                }
+                let f = f32::from_bits((-y).to_bits().wrapping_add_signed(d));
+                if f.is_finite() && f.abs() <= 1.0 {
+                    ys.push(f);
+                }
+            }
+        };
+        for &t in &m.tree[1..] {
+            near(t, &mut ys);
+        }
+        // bucket edges: the first float (upwards from 0, both signs) of each new bucket
+        for sign in [0u32, 0x8000_0000] {
+            let mut last = usize::MAX;
+            let mut bits = 0u32;
+            while bits <= 0x3f80_0000 {
+                // bisection for the next change of bucket within the magnitudes
+                let y = f32::from_bits(sign | bits);
+                let i = m.buckets.index(m.buckets.clamp(y));
+                if i != last {
+                    near(y, &mut ys);
+                    last = i;
+                }
+                let (mut lo, mut hi) = (bits, 0x3f80_0001u32);
+                while hi - lo > 1 {
+                    let mid = lo + (hi - lo) / 2;
+                    if m.buckets.index(m.buckets.clamp(f32::from_bits(sign | mid))) == i {
+                        lo = mid;
+                    } else {
+                        hi = mid;
+                    }
+                }
+                bits = hi;
+            }
+        }
+        for e in 90..=127u32 {
+            near(f32::from_bits(e << 23), &mut ys);
+        }
+        for hi in 0..=(0x3f80_0000u32 >> 12) {
+            for low in [0u32, 1, 0x7ff, 0x800, 0xfff] {
+                for sign in [0u32, 0x8000_0000] {
+                    let y = f32::from_bits(sign | (hi << 12) | low);
+                    if y.abs() <= 1.0 {
+                        ys.push(y);
+                    }
+                }
+            }
+        }
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        for _ in 0..1_000_000 {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ys.push(((s >> 40) as f32 / (1u64 << 23) as f32 - 1.0) * 10f32.powi(-((s & 7) as i32)));
+        }
+        ys.extend([f32::NAN, -f32::NAN, 0.0, -0.0, 1.0, -1.0]);
+        while ys.len() % 64 != 0 {
+            ys.push(0.5);
+        }
+        ys
+    }
+
+    /// The bucket quantizer (the VBMI paths' encode) is the search: its lane specification, and
+    /// the vector code where the CPU has it, on every float of [`bucket_probes`].
+    #[test]
+    fn the_bucket_code_is_the_search() {
+        for m in [signed(), unsigned()] {
+            let ys = bucket_probes(m);
+            for &y in &ys {
+                assert_eq!(m.buckets.code_lane(y), m.code_ref(y), "y = {y:e} ({:#x})", y.to_bits());
+            }
+            for y in ys.as_chunks::<64>().0 {
+                let got = unsafe { Generic::bucket_codes64(&m.buckets, y) };
+                assert!((0..64).all(|i| got[i] == m.code_ref(y[i])));
+            }
+            #[cfg(target_arch = "x86_64")]
+            {
+                use crate::isa::{Avx512Vbmi, Simd};
+                if !Simd::Avx512Vbmi.supported() {
+                    eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                    continue;
+                }
+                #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]
+                unsafe fn run(m: &Map, y: &[f32; 64]) -> [u8; 64] {
+                    unsafe { Avx512Vbmi::bucket_codes64(&m.buckets, y) }
+                }
+                for y in ys.as_chunks::<64>().0 {
+                    let got = unsafe { run(m, y) };
+                    for i in 0..64 {
+                        assert_eq!(got[i], m.code_ref(y[i]), "y = {:e} ({:#x})", y[i], y[i].to_bits());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Every float32 of [-1, 1] through the VBMI paths' bucket quantizer against the search
+    /// (about 2^31 per map: a minute or so; `cargo test --release -- --ignored every_float`).
+    #[test]
+    #[ignore]
+    fn every_float_of_the_unit_interval_by_buckets_is_the_search() {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::{Avx512Vbmi, Simd};
+            if !Simd::Avx512Vbmi.supported() {
+                eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                return;
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]
+            unsafe fn run(m: &Map, y: &[f32; 64]) -> [u8; 64] {
+                unsafe { Avx512Vbmi::bucket_codes64(&m.buckets, y) }
+            }
+            for m in [signed(), unsigned()] {
+                for sign in [0u32, 0x8000_0000] {
+                    let mut bits = 0u32;
+                    while bits <= 0x3f80_0000 {
+                        let y: [f32; 64] =
+                            std::array::from_fn(|i| f32::from_bits(sign | (bits + i as u32).min(0x3f80_0000)));
+                        let got = unsafe { run(m, &y) };
+                        for i in 0..64 {
+                            assert_eq!(got[i], m.code_ref(y[i]), "y = {:e}", y[i]);
+                        }
+                        bits += 64;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The byte-permute lookups (the VBMI paths' decode of 64 codes) against the tables: every
+    /// code in every one of the 64 positions, for both maps and the fp8 codes.
+    #[test]
+    fn the_byte_lookups_are_the_tables() {
+        use crate::kernel::fp8;
+        // The portable specification first: the planes are the map.
+        let idx: [[u8; 64]; 4] = std::array::from_fn(|k| std::array::from_fn(|i| (64 * k + i) as u8));
+        for m in [signed(), unsigned()] {
+            for c in &idx {
+                let got = unsafe { Generic::lookup256x64(&m.planes, c) };
+                for i in 0..64 {
+                    assert_eq!(got[i].to_bits(), m.q[c[i] as usize].to_bits());
+                }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use crate::isa::{Avx512Vbmi, Simd};
+            if !Simd::Avx512Vbmi.supported() {
+                eprintln!("skipped: this CPU has no AVX-512 VBMI");
+                return;
+            }
+            #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vbmi,avx2,fma,f16c")]
+            unsafe fn run(m: &Map, c: &[u8; 64]) -> ([f32; 64], [f32; 64]) {
+                let mut q = [0.0f32; QBLOCK];
+                let mut codes = [0u8; QBLOCK];
+                codes[..64].copy_from_slice(c);
+                unsafe { fp8::FP8.dequantize::<Avx512Vbmi>(&codes, 1.0, &mut q) };
+                let f: [f32; 64] = q[..64].try_into().unwrap();
+                (unsafe { Avx512Vbmi::lookup256x64(&m.planes, c) }, f)
+            }
+            for m in [signed(), unsigned()] {
+                for rot in 0..256usize {
+                    let c: [u8; 64] = std::array::from_fn(|i| ((i * 4 + rot) % 256) as u8);
+                    let c2: [u8; 64] = std::array::from_fn(|i| ((i * 4 + rot + 1 + i / 16) % 256) as u8);
+                    for c in [c, c2] {
+                        let (q, f) = unsafe { run(m, &c) };
+                        for i in 0..64 {
+                            assert_eq!(q[i].to_bits(), m.q[c[i] as usize].to_bits(), "code {} at {i}", c[i]);
+                            assert_eq!(f[i].to_bits(), fp8::decode(c[i]).to_bits(), "fp8 {} at {i}", c[i]);
+                        }
                     }
                 }
             }

@@ -212,6 +212,46 @@ def test_training_on_the_cpu_runs_torchs_kernels() -> None:
     assert no_mode_left()
 
 
+@pytest.mark.parametrize(
+    "native, quantized, entered", [(None, False, False), (True, False, True), (None, True, True), (False, True, False)]
+)
+def test_the_mode_is_entered_only_around_blocks_whose_weights_the_kernel_may_read(
+    native: bool | None, quantized: bool, entered: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:  # fmt: skip
+    """Where torch's bfloat16 kernel is the faster (``bf16_faster`` False) a bf16 model's blocks run
+    without NativeMatmul: under a mode every torch operation passes through Python (about 3 us
+    each), for no F.linear the kernel would take. With native_matmul=True, or weights quantized
+    (torchao's int8: the kernel's), the mode is active inside the blocks; native_matmul=False never
+    enters it. The logits are torch's path's wherever no mode is entered."""
+    monkeypatch.setitem(hm._BF16_FASTER, torch.get_num_threads(), False)
+    x = prompt(1, 1, seed=5)
+    model = llama(seed=5)
+    if quantized:
+        torchao_q = pytest.importorskip("torchao.quantization")
+        torchao_q.quantize_(model, torchao_q.Int8WeightOnlyConfig())
+    with torch.no_grad():
+        want = model(x).logits
+    h = offload_adam.offload_weights(model, device="cpu", native_matmul=native)
+    seen: list[bool] = []
+
+    def active(*_: Any) -> None:
+        seen.append(any(isinstance(m, hm.NativeMatmul) for m in torch.overrides._get_current_function_mode_stack()))
+
+    handles = [model.model.layers[i].mlp.down_proj.register_forward_pre_hook(active) for i in range(2)]
+    handles.append(model.lm_head.register_forward_pre_hook(active))
+    with torch.no_grad():
+        got = model(x).logits
+    assert seen == [entered] * 3
+    r = h.report()
+    assert r["native_calls"] == (LINEARS if entered else 0)
+    if not entered:
+        assert r["torch_calls"] == 0 and torch.equal(got, want)
+    for hd in handles:
+        hd.remove()
+    assert no_mode_left()
+    h.close()
+
+
 def test_native_matmul_must_be_none_or_a_bool() -> None:
     model = llama()
     for bad in ("yes", 1):

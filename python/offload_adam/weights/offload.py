@@ -431,7 +431,8 @@ class WeightOffload:
         ``"decode"``, how many block calls ran ``"stream"`` and ``"cpu"``), ``cpu_s`` (time in
         blocks run on the CPU), ``hidden_bytes`` and ``kv_bytes`` (what crossed for them),
         ``native_calls`` and ``torch_calls`` (their ``F.linear`` calls the native kernel ran, and
-        torch's: see ``native_matmul``; ``native_bf16``: whether bf16 weights go to it), and with
+        torch's, of the blocks with a weight it may read: see ``native_matmul``; ``native_bf16``:
+        whether bf16 weights go to it), and with
         ``storage="nvme"`` ``read_bytes`` and ``io_wait_s`` (host time waiting for the disk); and
         the host's state now: ``host_rss_peak_bytes`` (the process's peak resident memory) and
         ``page_cache_bytes`` (of this offload's own files: ``O_DIRECT`` keeps it near 0); with

@@ -414,11 +414,13 @@ def test_the_kernel_on_torchs_openmp_team_gives_its_own_bits() -> None:
     _native.linear_int4(x, w4.qdata, w4.scale_and_zero, None, group_size=64, layout=layout, out=want, num_threads=2)
     _native.linear_int4(x, w4.qdata, w4.scale_and_zero, None, group_size=64, layout=layout, out=got, num_threads=2, omp=True)
     assert torch.equal(want, got)
+    before = hm.LINEAR_OMP
     with torch.no_grad(), hm.NativeMatmul():
-        off = lin(x)
-        hm.LINEAR_OMP = True
         try:
+            hm.LINEAR_OMP = False
+            off = lin(x)
+            hm.LINEAR_OMP = True
             on = lin(x)
         finally:
-            hm.LINEAR_OMP = False
+            hm.LINEAR_OMP = before
     assert torch.equal(off, on)

@@ -12,6 +12,7 @@ are rare and most of the 24 steps are compared."""
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -281,6 +282,36 @@ def test_by_default_bf16_weights_go_to_the_kernel_where_it_beat_torch_here_and_q
             assert r["native_calls"] == (LINEARS if r["native_bf16"] else 0)
         h.close()
 
+
+
+@pytest.mark.parametrize("ours_ms,faster", [(0.95, False), (1.05, False), (0.85, True)])
+def test_bf16_goes_to_the_kernel_only_where_it_beat_torch_by_the_margin(monkeypatch: pytest.MonkeyPatch, ours_ms: float, faster: bool) -> None:
+    """bf16_faster decides by the kernel's time under BF16_MARGIN (0.9) of torch's, over weights
+    read from DRAM (96 MiB cycled): a near tie (0.95 of torch's time) keeps torch's kernel, which
+    the plain minimum chose by noise between processes. A fake clock: each call of the kernel
+    advances it ``ours_ms``, each of torch's 1 ms; no timing is measured."""
+    clock = [0.0]
+
+    def tick(ms: float) -> Any:
+        def call(*args: Any, **kwargs: Any) -> None:
+            clock[0] += ms / 1e3
+
+        return call
+
+    calls = {"ours": 0}
+    ours = tick(ours_ms)
+
+    def kernel(*args: Any, **kwargs: Any) -> None:
+        calls["ours"] += 1
+        ours()
+
+    monkeypatch.setattr(hm, "_BF16_FASTER", {})
+    monkeypatch.setattr(hm._native, "linear", kernel)
+    monkeypatch.setattr(hm, "_LINEAR", tick(1.0))
+    monkeypatch.setattr(hm, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert hm.bf16_faster(2, d=1024, rounds=2) is faster
+    assert calls["ours"] == 2 * (96 << 20) // (1024 * 1024 * 2)  # (every copy of the 96 MiB, each round)
+    assert hm.bf16_faster(2) is faster and calls["ours"] == 2 * 48  # (measured once per thread count)
 
 # -- the mode ---------------------------------------------------------------------------------------
 

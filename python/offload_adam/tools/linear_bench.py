@@ -323,12 +323,12 @@ def model_decode(
         inner = _torch_decoder(model, prompt, tokens)
 
         def run() -> tuple[float, float]:
-            hm.LINEAR_OMP = omp  # (the kernel's blocks on torch's OpenMP team, or its own pool)
+            before, hm.LINEAR_OMP = hm.LINEAR_OMP, omp  # (the kernel's blocks on torch's OpenMP team, or its own pool)
             try:
                 with hm.NativeMatmul(bf16=True):  # (the dispatch offload_weights' CPU-run blocks use)
                     return inner()
             finally:
-                hm.LINEAR_OMP = False
+                hm.LINEAR_OMP = before
 
         return run
 
@@ -338,6 +338,8 @@ def model_decode(
 
     if "bf16" in kinds:
         runs["ours bf16"] = ours(bf16)
+        if team:
+            runs["ours bf16 (torch's OpenMP team)"] = ours(bf16, omp=True)
     def quantized(kind: str, config: Any, eager_tokens: int | None = None, on_team: bool = False) -> None:
         """The model quantized by torchao's ``config``: ours on it; torchao's eager decode of
         ``eager_tokens`` (where given and asked for); ours on torch's OpenMP team (``on_team``,
@@ -391,6 +393,8 @@ def model_decode(
         ("ours int8", "llama.cpp Q8_0"), ("ours bf16", "llama.cpp BF16"), ("ours int4", "llama.cpp Q4_0"), ("ours int4", "ours int8"),
         ("ours int8 (torch's OpenMP team)", "llama.cpp Q8_0"), ("ours int4 (torch's OpenMP team)", "llama.cpp Q4_0"),
         ("ours int8 (torch's OpenMP team)", "ours int8"), ("ours int4 (torch's OpenMP team)", "ours int4"),
+        ("ours bf16 (torch's OpenMP team)", "llama.cpp BF16"), ("ours bf16 (torch's OpenMP team)", "torch bf16"),
+        ("ours bf16 (torch's OpenMP team)", "ours bf16"), ("ours int4 (torch's OpenMP team)", "ours int8 (torch's OpenMP team)"),
     ):  # fmt: skip
         if peer in rec and ours_n in rec:
             per = [(steps[ours_n] / a[1]) / (steps[peer] / b[1]) for a, b in zip(rec[ours_n], rec[peer])]

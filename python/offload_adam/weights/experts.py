@@ -65,11 +65,11 @@ STREAM_ROWS = 32  # a call on the device of more rows (a prompt) streams its rou
 FLAGS = ("has_gate", "has_bias", "is_transposed", "is_concatenated")
 # Whether the experts kernel's tasks run on torch's own OpenMP team (``_native.experts(...,
 # omp=True)``, as ``hostmatmul.LINEAR_OMP`` for the linear kernel) instead of the kernel's rayon
-# pool. The same bits either way. Inside a model on a shared 2-core VM with the pool, torch's
-# small operations after each call took milliseconds (its spinning OpenMP workers and the pool's
-# threads on the same cores); an A/B of the two in the model was run only under other
-# developers' load and did not settle it (docs/benchmarks.md, "Mixture of experts on the CPU").
-EXPERTS_OMP = True
+# pool, where the process has the team. The same bits either way. Inside a model the pool's
+# threads and torch's spinning OpenMP workers fight over the cores between a layer's operations:
+# on the quiet Zen 4 VM ``bench --moe``'s model decoded 1.44x faster on the team (one process,
+# 6 interleaved rounds of 32 tokens, 30.9 against 21.3 tokens/s; docs/benchmarks.md).
+EXPERTS_OMP = _native.omp_available()
 
 
 def is_fused_experts(m: torch.nn.Module) -> bool:

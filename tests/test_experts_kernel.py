@@ -7,6 +7,9 @@ change no bit; bad input raises naming the argument and writes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
 
@@ -126,14 +129,19 @@ def test_the_reference_is_transformers_eager_loop() -> None:
         check(run(x, gu, dn, idx, w, simd=simd), y, b, simd)
 
 
-def test_thread_counts_and_the_batch_change_no_bit() -> None:
-    g = torch.Generator().manual_seed(3)
+def formats(seed: int) -> Iterator[tuple[Any, ...]]:
+    """For each format: 7 experts (gate_up [160, 200], down [200, 80]) and their scales, 9 rows
+    routed to 4 of them, the rows and their weights."""
+    g = torch.Generator().manual_seed(seed)
     for kind in ("bf16", "int8", "fp8"):
         gu, gus = expert_weights(kind, 160, 200, 7, g)
         dn, dns = expert_weights(kind, 200, 80, 7, g)
         idx = routing(9, 4, 7, g)
-        x = torch.randn(9, 200, generator=g).bfloat16()
-        w = torch.rand(9, 4, generator=g)
+        yield kind, gu, gus, dn, dns, idx, torch.randn(9, 200, generator=g).bfloat16(), torch.rand(9, 4, generator=g)
+
+
+def test_thread_counts_and_the_batch_change_no_bit() -> None:
+    for kind, gu, gus, dn, dns, idx, x, w in formats(3):
         for simd in PATHS:
             one = run(x, gu, dn, idx, w, gate_up_scale=gus, down_scale=dns, simd=simd)
             for threads in (2, 3):
@@ -146,16 +154,10 @@ def test_thread_counts_and_the_batch_change_no_bit() -> None:
 def test_the_openmp_team_changes_no_bit() -> None:
     """``omp=True`` runs the call's tasks on torch's OpenMP team (as ``linear``'s): the same tasks,
     so the same bits as on the kernel's pool, every format, thread count and path."""
-    g = torch.Generator().manual_seed(5)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        for kind in ("bf16", "int8", "fp8"):
-            gu, gus = expert_weights(kind, 160, 200, 7, g)
-            dn, dns = expert_weights(kind, 200, 80, 7, g)
-            idx = routing(9, 4, 7, g)
-            x = torch.randn(9, 200, generator=g).bfloat16()
-            w = torch.rand(9, 4, generator=g)
+        for kind, gu, gus, dn, dns, idx, x, w in formats(5):
             for simd in PATHS:
                 pool = run(x, gu, dn, idx, w, gate_up_scale=gus, down_scale=dns, simd=simd, num_threads=2)
                 team = run(x, gu, dn, idx, w, gate_up_scale=gus, down_scale=dns, simd=simd, num_threads=2, omp=True)

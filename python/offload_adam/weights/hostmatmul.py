@@ -297,8 +297,8 @@ def bf16_faster(threads: int, d: int = 4096, rounds: int = 5) -> bool:
     kernel pays beside it (the ``NativeMatmul`` mode's Python over each torch operation: 0.24 ms
     a Llama layer, docs/benchmarks.md) and keeps a near tie from deciding by noise: on the
     project's Zen 4 VM both read DRAM at 30-33 GB/s, and the earlier choice by the plain minimum
-    of a cache-resident weight flipped between processes, which swung ``bench --moe`` (b) between
-    19 and 34 tokens/s. Elsewhere one leads: on a 2-core Intel Xeon with AVX-512 BF16 torch's
+    of a cache-resident weight could flip between processes (one ``bench --moe`` (b) round at 19
+    tokens/s beside 33-34, with other rounding, is thought to be one: inferred, not read). Elsewhere one leads: on a 2-core Intel Xeon with AVX-512 BF16 torch's
     oneDNN kernel (0.67 against 0.74 ms for 4096 x 4096); on a 2-core AMD EPYC with AVX2 the
     kernel, 3-4x. Quantized weights do not need asking: torch's paths for them decode 13-20x
     slower than the kernel."""

@@ -56,7 +56,7 @@ from ..runtime.device import Device
 from .costs import CostModel
 from .expertgrad import builds_graph, check_unwrapped, train_forward
 from .expertstore import ExpertParam, ExpertsLayout, ExpertStore, _Slru, expert_param
-from .hostmatmul import MAX_ROWS, NativeMatmul, weight_parts
+from .hostmatmul import MAX_ROWS, NativeMatmul, best_times, weight_parts
 from .placement import call_shape, to_device, to_host
 
 NAME = "offload_adam"  # the name of the offload's function in transformers' ExpertsInterface
@@ -198,23 +198,22 @@ def native_experts_faster(threads: int, hidden: int, inter: int, k: int, rounds:
     out = torch.empty_like(x)
     local = torch.arange(k).view(1, k)
     groups = [list(range(i, i + k)) for i in range(0, n - k + 1, k)]
+
+    def kernel() -> None:
+        for grp in groups:
+            _native.experts(x, [gu[e] for e in grp], [dn[e] for e in grp], local, wb, out=out, num_threads=threads, omp=EXPERTS_OMP)
+
+    def loop() -> None:
+        for grp in groups:
+            acc = torch.zeros_like(x)
+            for j, e in enumerate(grp):
+                a, b = F.linear(x, gu[e]).chunk(2, dim=-1)
+                acc.index_add_(0, local[0, :1], F.linear(F.silu(a) * b, dn[e]) * wb[:, j, None])
+
     prev = torch.get_num_threads()
-    ours, theirs = float("inf"), float("inf")
     try:
         torch.set_num_threads(threads)
-        with torch.no_grad():
-            for _ in range(rounds):
-                t0 = time.perf_counter()
-                for grp in groups:
-                    _native.experts(x, [gu[e] for e in grp], [dn[e] for e in grp], local, wb, out=out, num_threads=threads, omp=EXPERTS_OMP)
-                t1 = time.perf_counter()
-                for grp in groups:
-                    acc = torch.zeros_like(x)
-                    for j, e in enumerate(grp):
-                        a, b = F.linear(x, gu[e]).chunk(2, dim=-1)
-                        acc.index_add_(0, local[0, :1], F.linear(F.silu(a) * b, dn[e]) * wb[:, j, None])
-                t2 = time.perf_counter()
-                ours, theirs = min(ours, t1 - t0), min(theirs, t2 - t1)
+        ours, theirs = best_times(kernel, loop, rounds)
     finally:
         torch.set_num_threads(prev)
     _EXPERTS_FASTER[key] = ours < theirs

@@ -39,6 +39,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -284,6 +285,20 @@ def _int4_parts(weight: Tensor, q: Tensor, sz: Tensor) -> WeightParts | str:
     return WeightParts("int4", q, sz, group)
 
 
+def best_times(ours: Callable[[], None], theirs: Callable[[], None], rounds: int) -> tuple[float, float]:
+    """The best time of each of two calls over ``rounds`` interleaved rounds, no gradient: the
+    one-off measurements that choose between the kernel and torch's path (:func:`bf16_faster`,
+    ``experts.native_experts_faster``)."""
+    best = [float("inf"), float("inf")]
+    with torch.no_grad():
+        for _ in range(rounds):
+            for i, call in enumerate((ours, theirs)):
+                t0 = time.perf_counter()
+                call()
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best[0], best[1]
+
+
 _BF16_FASTER: dict[int, bool] = {}  # threads -> whether the kernel's bfloat16 1-row matmul beat torch's here
 BF16_MARGIN = 0.9  # the kernel's time must be under this fraction of torch's (bf16_faster)
 _BF16_BYTES = 96 << 20  # the weights bf16_faster cycles over: 3 times a server's 32 MiB L3
@@ -310,17 +325,16 @@ def bf16_faster(threads: int, d: int = 4096, rounds: int = 5) -> bool:
     ws = [w0] + [w0.clone() for _ in range(max(0, -(-_BF16_BYTES // (w0.numel() * 2)) - 1))]
     x = torch.randn(1, d, generator=g).to(torch.bfloat16)
     out = torch.empty(1, d, dtype=torch.bfloat16)
-    ours, theirs = float("inf"), float("inf")
-    with torch.no_grad():
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            for w in ws:
-                _native.linear(x, w, None, None, out=out, num_threads=threads, omp=LINEAR_OMP)
-            t1 = time.perf_counter()
-            for w in ws:
-                _LINEAR(x, w)
-            t2 = time.perf_counter()
-            ours, theirs = min(ours, t1 - t0), min(theirs, t2 - t1)
+
+    def kernel() -> None:
+        for w in ws:
+            _native.linear(x, w, None, None, out=out, num_threads=threads, omp=LINEAR_OMP)
+
+    def torchs() -> None:
+        for w in ws:
+            _LINEAR(x, w)
+
+    ours, theirs = best_times(kernel, torchs, rounds)
     faster = ours < BF16_MARGIN * theirs
     _BF16_FASTER[threads] = faster
     return faster

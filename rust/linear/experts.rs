@@ -432,30 +432,13 @@ pub fn experts(
     experts_on(simd, None, pool, shape, x, experts, index, weights, act, out)
 }
 
-/// As [`experts`], its tasks run on the process's OpenMP team of `threads` (torch's intra-op
+/// As [`experts`], its tasks run on the process's OpenMP team of `omp` threads (torch's intra-op
 /// threads, `crate::omp`) where it has one and the call is not inside a parallel region, else on
 /// `pool`: inside a model, torch's spinning OpenMP workers and the pool's threads then do not
 /// compete for the cores between the layer's operations. The result is [`experts`]', bit for bit
 /// (the same tasks, wherever they run).
 #[allow(clippy::too_many_arguments)]
-pub fn experts_omp(
-    simd: Simd,
-    threads: usize,
-    pool: Option<&rayon::ThreadPool>,
-    shape: ExpertsShape,
-    x: Act<'_>,
-    experts: &[Expert<'_>],
-    index: &[i64],
-    weights: Act<'_>,
-    act: Activation,
-    out: ActMut<'_>,
-) -> Result<()> {
-    let omp = crate::omp::usable().then_some(threads);
-    experts_on(simd, omp, pool, shape, x, experts, index, weights, act, out)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn experts_on(
+pub fn experts_on(
     simd: Simd,
     omp: Option<usize>,
     pool: Option<&rayon::ThreadPool>,
@@ -467,6 +450,7 @@ fn experts_on(
     act: Activation,
     out: ActMut<'_>,
 ) -> Result<()> {
+    let omp = omp.filter(|_| crate::omp::usable());
     validate(shape, &x, experts, index, &weights, &out)?;
     check_supported(simd)?;
     if shape.rows == 0 || shape.hidden == 0 {

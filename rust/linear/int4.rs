@@ -507,25 +507,10 @@ pub fn linear_int4(
     linear_int4_on(simd, None, pool, shape, x, w, bias, out)
 }
 
-/// As [`linear_int4`], on the process's OpenMP team of `threads` (`crate::omp`) where it has one
-/// and the call is not inside a parallel region, else on `pool`; the same bits.
+/// As [`linear_int4`], on the process's OpenMP team of `omp` threads (`crate::omp`) where it has
+/// one and the call is not inside a parallel region, else on `pool`; the same bits.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_int4_omp(
-    simd: Simd,
-    threads: usize,
-    pool: Option<&rayon::ThreadPool>,
-    shape: Shape,
-    x: Act<'_>,
-    w: Int4<'_>,
-    bias: Option<Act<'_>>,
-    out: ActMut<'_>,
-) -> Result<()> {
-    let omp = crate::omp::usable().then_some(threads);
-    linear_int4_on(simd, omp, pool, shape, x, w, bias, out)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn linear_int4_on(
+pub fn linear_int4_on(
     simd: Simd,
     omp: Option<usize>,
     pool: Option<&rayon::ThreadPool>,
@@ -535,6 +520,7 @@ fn linear_int4_on(
     bias: Option<Act<'_>>,
     out: ActMut<'_>,
 ) -> Result<()> {
+    let omp = omp.filter(|_| crate::omp::usable());
     validate(shape, &x, &w, bias.as_ref(), &out)?;
     check_supported(simd)?;
     let Shape { rows, n, .. } = shape;

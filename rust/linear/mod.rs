@@ -460,27 +460,12 @@ pub fn linear(
     linear_on(simd, None, pool, shape, x, w, bias, out)
 }
 
-/// As [`linear`], its blocks run on the process's OpenMP team of `threads` (torch's intra-op
-/// threads, `crate::omp`) where it has one and the call is not inside a parallel region, else on
-/// `pool` as [`linear`] does. The result is [`linear`]'s, bit for bit.
+/// As [`linear`], with `omp` the threads of the process's OpenMP team (torch's intra-op threads,
+/// `crate::omp`) to run the blocks on, where it has one and the call is not inside a parallel
+/// region, else on `pool` as [`linear`] does (`omp` None: [`linear`]). The result is
+/// [`linear`]'s, bit for bit.
 #[allow(clippy::too_many_arguments)]
-pub fn linear_omp(
-    simd: Simd,
-    threads: usize,
-    pool: Option<&rayon::ThreadPool>,
-    shape: Shape,
-    x: Act<'_>,
-    w: Weight<'_>,
-    bias: Option<Act<'_>>,
-    out: ActMut<'_>,
-) -> Result<()> {
-    let omp = crate::omp::usable().then_some(threads);
-    linear_on(simd, omp, pool, shape, x, w, bias, out)
-}
-
-/// [`linear`] (`omp` None) and [`linear_omp`] (`omp`: the team's threads, where it is usable).
-#[allow(clippy::too_many_arguments)]
-fn linear_on(
+pub fn linear_on(
     simd: Simd,
     omp: Option<usize>,
     pool: Option<&rayon::ThreadPool>,
@@ -490,6 +475,7 @@ fn linear_on(
     bias: Option<Act<'_>>,
     out: ActMut<'_>,
 ) -> Result<()> {
+    let omp = omp.filter(|_| crate::omp::usable());
     validate(shape, &x, &w, bias.as_ref(), &out)?;
     check_supported(simd)?;
     let job = Job {

@@ -356,7 +356,7 @@ fn empty_shapes_write_nothing_and_in_zero_gives_the_bias() {
     }
 }
 
-/// `linear_omp` gives `linear`'s bits (here, without an OpenMP runtime in the test binary, on the
+/// `linear_on` with a team gives `linear`'s bits (here, without an OpenMP runtime in the test binary, on the
 /// pool; Python's tests run it on torch's team).
 #[test]
 fn linear_omp_is_linear_bit_for_bit() {
@@ -376,9 +376,9 @@ fn linear_omp_is_linear_bit_for_bit() {
             ActMut::F32(&mut a),
         )
         .unwrap();
-        linear_omp(
+        linear_on(
             Simd::best(),
-            2,
+            Some(2),
             pool.as_deref(),
             c.shape,
             x,

@@ -250,24 +250,7 @@ pub fn experts<'py>(
     }
     let o = act_mut(&mut ov);
     let shape = ExpertsShape { rows, hidden, inter, k };
-    if omp {
-        py.detach(|| {
-            core::experts_omp(
-                simd,
-                num_threads,
-                pool.as_deref(),
-                shape,
-                xa,
-                &list,
-                &local,
-                wa,
-                activation,
-                o,
-            )
-        })
+    let omp = omp.then_some(num_threads);
+    py.detach(|| core::experts_on(simd, omp, pool.as_deref(), shape, xa, &list, &local, wa, activation, o))
         .map_err(err)
-    } else {
-        py.detach(|| core::experts(simd, pool.as_deref(), shape, xa, &list, &local, wa, activation, o))
-            .map_err(err)
-    }
 }

@@ -117,12 +117,8 @@ pub fn linear(
     let mut ov = out_view(out, &reads, rows, n)?;
     let o = act_mut(&mut ov);
     let shape = Shape { rows, k, n };
-    if omp {
-        return py
-            .detach(|| core::linear_omp(simd, num_threads, pool.as_deref(), shape, xa, w, ba, o))
-            .map_err(err);
-    }
-    py.detach(|| core::linear(simd, pool.as_deref(), shape, xa, w, ba, o))
+    let omp = omp.then_some(num_threads);
+    py.detach(|| core::linear_on(simd, omp, pool.as_deref(), shape, xa, w, ba, o))
         .map_err(err)
 }
 
@@ -202,12 +198,8 @@ pub fn linear_int4(
     let mut ov = out_view(out, &reads, rows, n)?;
     let o = act_mut(&mut ov);
     let shape = Shape { rows, k, n };
-    if omp {
-        return py
-            .detach(|| int4::linear_int4_omp(simd, num_threads, pool.as_deref(), shape, xa, w, ba, o))
-            .map_err(err);
-    }
-    py.detach(|| int4::linear_int4(simd, pool.as_deref(), shape, xa, w, ba, o))
+    let omp = omp.then_some(num_threads);
+    py.detach(|| int4::linear_int4_on(simd, omp, pool.as_deref(), shape, xa, w, ba, o))
         .map_err(err)
 }
 
